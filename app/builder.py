@@ -1,0 +1,55 @@
+"""Turns the validated configuration into a Ray Serve application: two engine deployments and the ingress."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from app.config import EngineConfig, PDAppConfig, load_config
+from app.engine_server import DecodeServer, EngineServer, PrefillServer
+from app.ingress import OpenAIIngress
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve.Deployment:
+    # The replica actor sits in bundle 0 of its own placement group and takes that bundle's resources, so the
+    # engine's processes (which inherit the actor's CPU/GPU assignment) stay inside the bundle.
+    first_bundle = engine.placement_group_config.bundles[0]
+    actor_options = {
+        "num_cpus": first_bundle.get("CPU", 0),
+        "num_gpus": first_bundle.get("GPU", 0),
+        "runtime_env": engine.runtime_env,
+        **engine.deployment_config.get("ray_actor_options", {}),
+    }
+    return serve.deployment(server).options(
+        **{k: v for k, v in engine.deployment_config.items() if k != "ray_actor_options"},
+        ray_actor_options=actor_options,
+        placement_group_bundles=engine.placement_group_config.bundles,
+        placement_group_strategy=engine.placement_group_config.strategy,
+    )
+
+
+def build_pd_app(config: PDAppConfig) -> Application:
+    prefill = _engine_deployment(PrefillServer, config.prefill).bind(config.prefill, config.transfer)
+    decode = _engine_deployment(DecodeServer, config.decode).bind(config.decode, config.transfer)
+    return OpenAIIngress.options(**config.ingress.deployment_config).bind(prefill, decode, config)
+
+
+def resolve_config_path(path: str) -> Path:
+    """Relative paths name a file under the working directory or, failing that, under the project root (Serve may
+    build the app in a worker whose working directory is not the user's)."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists():
+        return candidate
+    return PROJECT_ROOT / candidate
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Entry point for `serve run` / `serve deploy`: args is either {config_file: path} or the configuration itself."""
+    if set(args) == {"config_file"}:
+        return build_pd_app(load_config(resolve_config_path(args["config_file"])))
+    return build_pd_app(PDAppConfig.model_validate(args))

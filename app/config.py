@@ -1,0 +1,106 @@
+"""What a deployment of the app looks like: the YAML schema, validated once when the application is built.
+
+The two engine sections mirror Ray Serve LLM's `LLMConfig` (model_loading_config, engine_kwargs, deployment_config,
+placement_group_config, runtime_env) so that a `build_pd_openai_app` user recognises them; `transfer` says how KV
+crosses between the two sides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, PositiveInt, field_validator, model_validator
+
+from kv.config import StrictModel, TransferConfig
+
+
+class ModelLoadingConfig(StrictModel):
+    model_id: str = Field(description="The name clients use in the `model` field.")
+    model_source: str = Field(description="A local path, a hub id, or `builtin://tiny-qwen3`.")
+
+
+class PlacementGroupConfig(StrictModel):
+    """One placement group per replica; the replica's actor and its engine live in bundle 0."""
+
+    bundles: list[dict[str, float]] = Field(min_length=1)
+    strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+
+
+class EngineConfig(StrictModel):
+    """One side (prefill or decode) of the app: a Serve deployment whose replicas each own one vLLM engine."""
+
+    model_loading_config: ModelLoadingConfig
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to vLLM's AsyncEngineArgs.")
+    deployment_config: dict[str, Any] = Field(default_factory=dict, description="Serve deployment options.")
+    placement_group_config: PlacementGroupConfig
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+    cpu_cores: list[str] | None = Field(
+        default=None,
+        description="CPU engines only: the cores each replica's engine is bound to, one entry per replica "
+        "(vLLM's VLLM_CPU_OMP_THREADS_BIND syntax, e.g. '0' or '2-3').",
+    )
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _no_transfer_config_in_engine_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        forbidden = {"model", "served_model_name", "kv_transfer_config"} & kwargs.keys()
+        if forbidden:
+            raise ValueError(
+                f"engine_kwargs must not set {sorted(forbidden)}: the model comes from model_loading_config "
+                "and the KV connector from the transfer section"
+            )
+        return kwargs
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.deployment_config.get("num_replicas", 1))
+
+    @model_validator(mode="after")
+    def _one_core_set_per_replica(self) -> EngineConfig:
+        if self.cpu_cores is not None and len(self.cpu_cores) != self.num_replicas:
+            raise ValueError(
+                f"cpu_cores lists {len(self.cpu_cores)} core sets for {self.num_replicas} replica(s); "
+                "give exactly one per replica"
+            )
+        return self
+
+
+class IngressConfig(StrictModel):
+    deployment_config: dict[str, Any] = Field(default_factory=dict)
+    request_timeout_s: PositiveInt = Field(default=120, description="Upper bound on one request end to end.")
+
+
+class PDAppConfig(StrictModel):
+    """The whole application: one prefill side, one decode side, the KV transfer between them, the ingress."""
+
+    prefill: EngineConfig
+    decode: EngineConfig
+    transfer: TransferConfig = TransferConfig()
+    ingress: IngressConfig = IngressConfig()
+
+    @model_validator(mode="after")
+    def _both_sides_serve_one_model(self) -> PDAppConfig:
+        if self.prefill.model_loading_config != self.decode.model_loading_config:
+            raise ValueError("prefill and decode must load the same model (model_loading_config differs)")
+        return self
+
+    @model_validator(mode="after")
+    def _buffer_matches_hardware(self) -> PDAppConfig:
+        uses_gpu = any(b.get("GPU", 0) > 0 for side in (self.prefill, self.decode)
+                       for b in side.placement_group_config.bundles)
+        if uses_gpu and any(side.cpu_cores for side in (self.prefill, self.decode)):
+            raise ValueError("cpu_cores applies to CPU engines only; GPU bundles were given")
+        if not uses_gpu and self.transfer.kv_buffer_device != "cpu":
+            raise ValueError("CPU engines keep KV in DRAM: transfer.kv_buffer_device must be 'cpu'")
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.prefill.model_loading_config.model_id
+
+
+def load_config(path: str | Path) -> PDAppConfig:
+    with open(path) as f:
+        return PDAppConfig.model_validate(yaml.safe_load(f))

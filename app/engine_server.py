@@ -1,0 +1,109 @@
+"""Prefill and decode replicas: each owns one vLLM engine, reports its KV-transfer identity and its load, and serves
+one leg of a disaggregated request."""
+
+from __future__ import annotations
+
+import os
+from typing import AsyncIterator, Literal
+
+import ray
+from ray import serve
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+from app.config import EngineConfig
+from app.engine_protocol import EngineChunk, EngineRequest, PrefillResult
+from app.engine_stats import EngineStatsRecorder
+from app.tiny_model import resolve_model_source
+from kv.config import TransferConfig
+from kv.engine_identity import claim_identity
+from kv.transfer_config import build_kv_transfer_config
+
+Role = Literal["prefill", "decode"]
+
+
+def _replica_rank() -> int:
+    return serve.get_replica_context().rank.rank
+
+
+class EngineServer:
+    """One vLLM engine in one Serve replica. Subclasses add the leg they serve."""
+
+    role: Role
+
+    def __init__(self, engine: EngineConfig, transfer: TransferConfig):
+        if engine.cpu_cores is not None:
+            # vLLM's CPU backend binds its OpenMP threads here; without it two engines on one machine share every
+            # core and decode slows by an order of magnitude.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_cores[_replica_rank()]
+        host = transfer.side_channel_host or ray.util.get_node_ip_address()
+        self.identity = claim_identity(self.role, host)
+        self.model_id = engine.model_loading_config.model_id
+        self.stats = EngineStatsRecorder()
+        args = AsyncEngineArgs(
+            model=resolve_model_source(engine.model_loading_config.model_source),
+            served_model_name=[self.model_id],
+            kv_transfer_config=build_kv_transfer_config(transfer, self.identity.engine_id),
+            **engine.engine_kwargs,
+        )
+        self.engine = AsyncLLM.from_engine_args(
+            args, stat_loggers=[RayPrometheusStatLogger, lambda vllm_config, engine_index: self.stats]
+        )
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def transfer_identity(self) -> dict:
+        return self.identity.as_dict()
+
+    def load(self) -> dict:
+        return self.stats.load()
+
+    def transfer_totals(self) -> dict:
+        return self.stats.totals()
+
+    def max_model_len(self) -> int:
+        return self.engine.model_config.max_model_len
+
+    async def _run(self, request: EngineRequest) -> AsyncIterator:
+        params = request.sampling_params.clone()
+        params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": request.kv_transfer_params}
+        async for output in self.engine.generate(
+            {"prompt_token_ids": request.prompt_token_ids}, params, request.request_id
+        ):
+            yield output
+
+
+class PrefillServer(EngineServer):
+    role = "prefill"
+
+    async def prefill(self, request: EngineRequest) -> PrefillResult:
+        """Compute the prompt's KV and return where it lives; the one sampled token is discarded (decode samples)."""
+        request.sampling_params = request.sampling_params.clone()
+        request.sampling_params.max_tokens = 1
+        request.sampling_params.min_tokens = 0
+        request.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
+        final = None
+        async for final in self._run(request):
+            pass
+        return PrefillResult(final.kv_transfer_params, len(request.prompt_token_ids))
+
+
+class DecodeServer(EngineServer):
+    role = "decode"
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Stream the completion; with remote-prefill params the prompt's KV is loaded, not recomputed."""
+        request.sampling_params = request.sampling_params.clone()
+        request.sampling_params.output_kind = RequestOutputKind.DELTA
+        async for output in self._run(request):
+            completion = output.outputs[0]
+            yield EngineChunk(
+                text=completion.text,
+                token_ids=list(completion.token_ids),
+                finish_reason=completion.finish_reason,
+                num_prompt_tokens=len(output.prompt_token_ids or ()),
+                num_cached_tokens=output.num_cached_tokens or 0,
+            )

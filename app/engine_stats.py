@@ -1,0 +1,59 @@
+"""Running totals of one engine, kept from vLLM's per-step stats: the replica's load for routing, and proof that KV
+crossed (prompt tokens by source, NIXL transfers) for tests and the benchmark."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def _connector_counts(kv_connector_stats: dict[str, Any]) -> Counter:
+    """Sum NIXL's per-step transfer records: {'bytes_transferred': [...], 'num_failed_transfers': [...], ...}."""
+    data = kv_connector_stats.get("data", kv_connector_stats)
+    counts = Counter()
+    counts["transfers"] += len(data.get("transfer_duration", ()))
+    counts["bytes"] += int(sum(data.get("bytes_transferred", ())))
+    for key in ("num_failed_transfers", "num_failed_notifications", "num_failed_handshakes", "num_kv_expired_reqs"):
+        counts[key.removeprefix("num_")] += len(data.get(key, ()))
+    return counts
+
+
+class EngineStatsRecorder(StatLoggerBase):
+    def __init__(self, vllm_config: VllmConfig | None = None, engine_index: int = 0):
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prompt_tokens = Counter({source: 0 for source in PROMPT_TOKEN_SOURCES})
+        self.kv_transfers = Counter()
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is not None:
+            self.running = scheduler_stats.num_running_reqs
+            self.waiting = scheduler_stats.num_waiting_reqs
+            self.kv_cache_usage = scheduler_stats.kv_cache_usage
+            if scheduler_stats.kv_connector_stats:
+                self.kv_transfers.update(_connector_counts(scheduler_stats.kv_connector_stats))
+        if iteration_stats is not None:
+            for source in PROMPT_TOKEN_SOURCES:
+                self.prompt_tokens[source] += iteration_stats.prompt_token_stats.get_by_source(source)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def load(self) -> dict[str, Any]:
+        return {"running": self.running, "waiting": self.waiting, "kv_cache_usage": self.kv_cache_usage}
+
+    def totals(self) -> dict[str, Any]:
+        return {"prompt_tokens_by_source": dict(self.prompt_tokens), "kv_transfers": dict(self.kv_transfers)}

@@ -1,0 +1,19 @@
+"""The vLLM `KVTransferConfig` every engine of the app runs with, built from the app's transfer section."""
+
+from __future__ import annotations
+
+from vllm.config import KVTransferConfig
+
+from kv.config import TransferConfig
+
+
+def build_kv_transfer_config(transfer: TransferConfig, engine_id: str) -> KVTransferConfig:
+    # Both sides run the same connector in role kv_both: which way KV flows is a per-request decision.
+    return KVTransferConfig(
+        kv_connector=transfer.connector.name,
+        kv_connector_module_path=transfer.connector.module_path,
+        kv_role="kv_both",
+        engine_id=engine_id,
+        kv_buffer_device=transfer.kv_buffer_device,
+        kv_connector_extra_config={**transfer.connector_extra_config, "backends": list(transfer.backends)},
+    )
