@@ -64,8 +64,11 @@ class EngineServer:
     def transfer_totals(self) -> dict:
         return self.stats.totals()
 
-    def max_model_len(self) -> int:
-        return self.engine.model_config.max_model_len
+    def engine_info(self) -> dict:
+        return {
+            "max_model_len": self.engine.model_config.max_model_len,
+            "block_size": self.engine.vllm_config.cache_config.block_size,
+        }
 
     async def _run(self, request: EngineRequest) -> AsyncIterator:
         params = request.sampling_params.clone()

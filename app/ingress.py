@@ -26,10 +26,12 @@ from app.openai_protocol import (
     ResponseWriter,
     SamplingFields,
 )
-from app.request_flow import RequestFlow
+from app.request_flow import RequestFlow, UnsupportedMode
 from app.tiny_model import resolve_model_source
+from kv.config import TransferMode
 
 logger = logging.getLogger("ray.serve")
+MODE_HEADER = "x-kv-transfer-mode"
 Body = TypeVar("Body", bound=SamplingFields)
 
 
@@ -58,7 +60,7 @@ class OpenAIIngress:
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, config: PDAppConfig):
         self.model_id = config.model_id
         self.timeout_s = config.ingress.request_timeout_s
-        self.flow = RequestFlow(prefill, decode, config.transfer.default_mode)
+        self.flow = RequestFlow(prefill, decode, config.transfer)
         self.engines = {"prefill": prefill, "decode": decode}
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.
         self.tokenizer = AutoTokenizer.from_pretrained(
@@ -80,7 +82,7 @@ class OpenAIIngress:
 
     async def max_model_len(self) -> int:
         if self._max_model_len is None:
-            self._max_model_len = await self.engines["decode"].max_model_len.remote()
+            self._max_model_len = (await self.engines["decode"].engine_info.remote())["max_model_len"]
         return self._max_model_len
 
     # -- routes --------------------------------------------------------------------------------------------------
@@ -105,7 +107,7 @@ class OpenAIIngress:
             prompt_ids = self.tokenizer.encode(body.prompt)
         else:
             prompt_ids = self._checked_token_ids(body.prompt)
-        return await self._respond(body, prompt_ids, f"cmpl-{uuid.uuid4().hex}", chat=False)
+        return await self._respond(request, body, prompt_ids, f"cmpl-{uuid.uuid4().hex}", chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
@@ -113,7 +115,7 @@ class OpenAIIngress:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return await self._respond(body, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", chat=True)
+        return await self._respond(request, body, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", chat=True)
 
     # -- shared ----------------------------------------------------------------------------------------------------
 
@@ -143,14 +145,24 @@ class OpenAIIngress:
             )
         return requested or room
 
-    async def _respond(self, body: SamplingFields, prompt_ids: list[int], request_id: str, chat: bool) -> Response:
+    def _mode(self, request: Request) -> TransferMode:
+        try:
+            return self.flow.choose_mode(request.headers.get(MODE_HEADER))
+        except UnsupportedMode as e:
+            raise APIError(400, str(e), param=MODE_HEADER) from e
+
+    async def _respond(self, http_request: Request, body: SamplingFields, prompt_ids: list[int], request_id: str,
+                       chat: bool) -> Response:
+        mode = self._mode(http_request)
         max_tokens = await self._checked_max_tokens(body, len(prompt_ids))
         engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens))
         writer = ResponseWriter(request_id, self.model_id, chat, body.return_token_ids)
-        chunks = self.flow.stream(engine_request)
+        chunks = self.flow.stream(engine_request, mode)
+        headers = {MODE_HEADER: mode}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse_stream(chunks, writer, include_usage), media_type="text/event-stream")
+            return StreamingResponse(self._sse_stream(chunks, writer, include_usage), media_type="text/event-stream",
+                                     headers=headers)
         try:
             async with asyncio.timeout(self.timeout_s):
                 text, token_ids, finish_reason, cached = "", [], None, 0
@@ -166,7 +178,7 @@ class OpenAIIngress:
             raise APIError(500, f"request failed: {e}", "server_error") from e
         result = writer.whole(text, token_ids, finish_reason, len(prompt_ids))
         result["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
-        return JSONResponse(result)
+        return JSONResponse(result, headers=headers)
 
     async def _sse_stream(self, chunks: AsyncIterator[EngineChunk], writer: ResponseWriter,
                           include_usage: bool) -> AsyncIterator[str]:

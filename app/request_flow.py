@@ -7,21 +7,40 @@ from typing import AsyncIterator
 from ray.serve.handle import DeploymentHandle
 
 from app.engine_protocol import EngineChunk, EngineRequest, PrefillResult
-from kv.config import TransferMode
+from kv.config import TransferConfig, TransferMode
 from kv.transfer_params import pull_decode_params, pull_prefill_params
 
 
+class UnsupportedMode(ValueError):
+    pass
+
+
 class RequestFlow:
-    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, default_mode: TransferMode):
+    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, transfer: TransferConfig):
         self.prefill = prefill
         self.decode = decode.options(stream=True)
-        self.default_mode = default_mode
+        self.default_mode = transfer.default_mode
+        self.modes = transfer.modes
 
-    def stream(self, request: EngineRequest, mode: TransferMode | None = None) -> AsyncIterator[EngineChunk]:
-        mode = mode or self.default_mode
-        if mode != "pull":
-            raise NotImplementedError(f"transfer mode {mode!r} is not available with this connector")
+    def choose_mode(self, requested: str | None) -> TransferMode:
+        if requested is None:
+            return self.default_mode
+        if requested not in self.modes:
+            raise UnsupportedMode(f"transfer mode {requested!r} is not served here; choose one of {list(self.modes)}")
+        return requested
+
+    def stream(self, request: EngineRequest, mode: TransferMode) -> AsyncIterator[EngineChunk]:
+        if mode == "local":
+            return self._decode(request)
         return self._pull(request)
+
+    async def _decode(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        stream = self.decode.generate.remote(request)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            stream.cancel()  # a no-op once finished; otherwise (client gone) decode aborts and frees its blocks
 
     async def _pull(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Prefill first; the decode replica is chosen only once prefill is done (late binding), then it READs."""
@@ -35,9 +54,5 @@ class RequestFlow:
             request.sampling_params,
             pull_decode_params(result.kv_transfer_params),
         )
-        stream = self.decode.generate.remote(decode_leg)
-        try:
-            async for chunk in stream:
-                yield chunk
-        finally:
-            stream.cancel()  # a no-op once finished; otherwise (client gone) decode aborts and frees its blocks
+        async for chunk in self._decode(decode_leg):
+            yield chunk

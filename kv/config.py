@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TransferMode = Literal["push", "pull", "local"]
+# `local`: no disaggregation, the decode engine prefills the prompt itself. It needs nothing from the connector.
+LOCAL: TransferMode = "local"
 
 
 class StrictModel(BaseModel):
@@ -18,6 +20,9 @@ class ConnectorConfig(StrictModel):
 
     name: str = "NixlConnector"
     module_path: str | None = Field(default=None, description="Import path of a connector outside vLLM.")
+    modes: list[Literal["push", "pull"]] = Field(
+        default=["pull"], min_length=1, description="The transfer modes this connector serves."
+    )
 
 
 class TransferConfig(StrictModel):
@@ -31,6 +36,17 @@ class TransferConfig(StrictModel):
     connector_extra_config: dict[str, Any] = Field(
         default_factory=dict, description="Extra kv_connector_extra_config entries (leases, timeouts, threads)."
     )
+
+    @model_validator(mode="after")
+    def _default_mode_is_served(self) -> TransferConfig:
+        if self.default_mode not in self.modes:
+            raise ValueError(f"default_mode {self.default_mode!r} is not served by connector "
+                             f"{self.connector.name!r} (modes: {list(self.modes)})")
+        return self
+
+    @property
+    def modes(self) -> tuple[TransferMode, ...]:
+        return (*self.connector.modes, LOCAL)
 
     @field_validator("connector_extra_config")
     @classmethod

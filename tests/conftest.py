@@ -1,0 +1,116 @@
+"""Session fixtures: the colocated reference outputs, then one real Ray cluster running the app with real engines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from app.tiny_model import corpus_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_CONFIG = ROOT / "configs" / "cpu-tiny.yaml"
+APP_NAME = "pd"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One greedy request: either a completion prompt or a chat conversation."""
+
+    name: str
+    max_tokens: int
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+
+
+def _text(first_line: int, num_lines: int) -> str:
+    return " ".join(corpus_lines()[first_line:first_line + num_lines])
+
+
+CASES = [
+    Case("short", 24, prompt="The user asks the assistant"),
+    Case("medium", 24, prompt=_text(0, 20)),
+    Case("long", 16, prompt=_text(100, 110)),  # > 1,024 tokens: more than 8 KV blocks of 128
+    Case("chat-short", 24, messages=({"role": "user", "content": "Tell me about the sea."},)),
+    Case("chat-long", 16, messages=(
+        {"role": "system", "content": _text(300, 10)},
+        {"role": "user", "content": _text(400, 90)},
+    )),
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from app.tiny_model import build_tiny_model
+
+    return AutoTokenizer.from_pretrained(build_tiny_model())
+
+
+def prompt_token_ids(tokenizer, case: Case) -> list[int]:
+    if case.prompt is not None:
+        return tokenizer.encode(case.prompt)
+    text = tokenizer.apply_chat_template(list(case.messages), add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(tokenizer, tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """Computed before the app starts, in a separate process, so the reference engine never shares cores."""
+    prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, c), "max_tokens": c.max_tokens} for c in CASES]
+    out = tmp_path_factory.mktemp("reference") / "outputs.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "colocated_reference.py"), str(CPU_CONFIG), str(out)],
+        input=json.dumps(prompts), capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    outputs = json.loads(out.read_text())
+    return {case.name: {**out, "prompt_token_ids": p["prompt_token_ids"]}
+            for case, out, p in zip(CASES, outputs, prompts)}
+
+
+@dataclass
+class RunningApp:
+    base_url: str
+    handles: dict[str, Any]
+
+    def engine_call(self, role: str, method: str) -> Any:
+        return getattr(self.handles[role], method).remote().result()
+
+    def wait_for(self, role: str, method: str, done: Callable[[Any], bool], timeout_s: float = 5.0) -> Any:
+        """Engine counters are updated by vLLM's stats loop, a moment after the response is sent."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.engine_call(role, method)
+            if done(value) or time.monotonic() > deadline:
+                return value
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def app(reference_outputs) -> RunningApp:
+    """The app from the CPU default config on a Ray cluster this session starts and stops."""
+    import ray
+    from ray import serve
+
+    from app.builder import build_app
+    from kv.engine_identity import free_port
+
+    port = free_port("127.0.0.1")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"config_file": str(CPU_CONFIG)}), name=APP_NAME, route_prefix="/")
+        handles = {role: serve.get_deployment_handle(f"{role.capitalize()}Server", app_name=APP_NAME)
+                   for role in ("prefill", "decode")}
+        yield RunningApp(f"http://127.0.0.1:{port}", handles)
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,162 @@
+"""The app end to end: real Ray, real vLLM engines on separate cores, real NIXL transfers."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from conftest import CASES, Case
+
+pytestmark = pytest.mark.engines
+MODEL = "tiny-qwen3"
+
+
+def _body(case: Case, **extra) -> tuple[str, dict]:
+    common = {"model": MODEL, "max_tokens": case.max_tokens, "temperature": 0, "return_token_ids": True, **extra}
+    if case.prompt is not None:
+        return "/v1/completions", {**common, "prompt": case.prompt}
+    return "/v1/chat/completions", {**common, "messages": list(case.messages)}
+
+
+def _text_of(choice: dict) -> str:
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def _stream_text(base_url: str, path: str, body: dict) -> str:
+    text = ""
+    with httpx.stream("POST", base_url + path, json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            assert "error" not in event, event
+            choice = event["choices"][0]
+            text += choice["delta"]["content"] if "delta" in choice else choice["text"]
+    return text
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_greedy_output_equals_colocated_engine_and_kv_crossed(app, reference_outputs, case):
+    reference = reference_outputs[case.name]
+    num_prompt_tokens = len(reference["prompt_token_ids"])
+    before = {role: app.engine_call(role, "transfer_totals") for role in ("prefill", "decode")}
+
+    path, body = _body(case)
+    response = httpx.post(app.base_url + path, json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    choice = result["choices"][0]
+    assert result["usage"]["prompt_tokens"] == num_prompt_tokens  # the ingress tokenized as the reference did
+    assert choice["token_ids"] == reference["token_ids"]
+    assert _text_of(choice) == reference["text"]
+
+    # Decode received every prompt token by transfer and computed none of them itself.
+    assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == num_prompt_tokens
+    decode = app.wait_for("decode", "transfer_totals", lambda t: t["kv_transfers"].get("transfers", 0)
+                          > before["decode"]["kv_transfers"].get("transfers", 0))
+    prefill = app.engine_call("prefill", "transfer_totals")
+
+    def grew(totals, role, source):
+        return totals["prompt_tokens_by_source"][source] - before[role]["prompt_tokens_by_source"][source]
+
+    assert grew(decode, "decode", "external_kv_transfer") == num_prompt_tokens
+    assert grew(decode, "decode", "local_compute") == 0
+    assert grew(prefill, "prefill", "local_compute") == num_prompt_tokens
+    assert decode["kv_transfers"]["bytes"] > before["decode"]["kv_transfers"].get("bytes", 0)
+    assert decode["kv_transfers"]["failed_transfers"] == 0
+
+
+def test_long_case_spans_eight_kv_blocks(app, reference_outputs):
+    block_size = app.engine_call("decode", "engine_info")["block_size"]
+    assert len(reference_outputs["long"]["prompt_token_ids"]) >= 8 * block_size
+    assert len(reference_outputs["chat-long"]["prompt_token_ids"]) >= 8 * block_size
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["completion", "chat"])
+def test_streaming_yields_the_same_text_as_non_streaming(app, case):
+    path, body = _body(case)
+    whole = httpx.post(app.base_url + path, json=body, timeout=120).json()
+    assert _stream_text(app.base_url, path, body) == _text_of(whole["choices"][0])
+
+
+def test_openai_client_chat_completion(app, reference_outputs):
+    client = openai.OpenAI(base_url=app.base_url + "/v1", api_key="unused")
+    case = CASES[3]
+    completion = client.chat.completions.create(
+        model=MODEL, messages=list(case.messages), max_tokens=case.max_tokens, temperature=0
+    )
+    assert completion.choices[0].message.content == reference_outputs[case.name]["text"]
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_health_reports_both_engines_ready(app):
+    health = httpx.get(app.base_url + "/health", timeout=30)
+    assert health.status_code == 200
+    assert set(health.json()["load"]) == {"prefill", "decode"}
+
+
+def test_each_engine_has_its_own_transfer_identity(app):
+    prefill = app.engine_call("prefill", "transfer_identity")
+    decode = app.engine_call("decode", "transfer_identity")
+    assert prefill["engine_id"] != decode["engine_id"]
+    assert (prefill["side_channel_host"], prefill["side_channel_port"]) != (
+        decode["side_channel_host"], decode["side_channel_port"])
+    assert app.engine_call("decode", "load").keys() == {"running", "waiting", "kv_cache_usage"}
+
+
+BAD_REQUESTS = {
+    "malformed-json": ("/v1/completions", b'{"model": "tiny-qwen3", "prompt": ', 400),
+    "not-an-object": ("/v1/completions", b"[1, 2]", 400),
+    "missing-prompt": ("/v1/completions", {"model": MODEL}, 400),
+    "missing-model": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400),
+    "missing-messages": ("/v1/chat/completions", {"model": MODEL}, 400),
+    "unknown-model": ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404),
+    "zero-max-tokens": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
+    "negative-max-tokens": ("/v1/chat/completions",
+                            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400),
+    "prompt-over-context": ("/v1/completions", {"model": MODEL, "prompt": [5] * 2100, "max_tokens": 4}, 400),
+    "completion-over-context": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400),
+    "token-out-of-vocab": ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400),
+    "client-kv-transfer-params": ("/v1/completions", {"model": MODEL, "prompt": "hi", "kv_transfer_params": {
+        "do_remote_prefill": True, "remote_block_ids": [0], "remote_engine_id": "evil"}}, 400),
+    "bad-temperature": ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400),
+    "bad-role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_bad_request_gets_a_clear_4xx_and_the_app_keeps_serving(app, name):
+    path, body, status = BAD_REQUESTS[name]
+    if isinstance(body, bytes):
+        response = httpx.post(app.base_url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(app.base_url + path, json=body, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+
+    ok = httpx.post(app.base_url + "/v1/completions", timeout=60,
+                    json={"model": MODEL, "prompt": "still there?", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_transfer_mode_is_chosen_per_request_and_reported(app, reference_outputs):
+    case = CASES[1]
+    path, body = _body(case)
+    before = app.engine_call("decode", "transfer_totals")
+    local = httpx.post(app.base_url + path, json=body, headers={"x-kv-transfer-mode": "local"}, timeout=120)
+    assert local.status_code == 200 and local.headers["x-kv-transfer-mode"] == "local"
+    assert local.json()["choices"][0]["token_ids"] == reference_outputs[case.name]["token_ids"]
+    assert local.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    after = app.engine_call("decode", "transfer_totals")
+    assert after["kv_transfers"] == before["kv_transfers"]
+
+    default = httpx.post(app.base_url + path, json=body, timeout=120)
+    assert default.headers["x-kv-transfer-mode"] == "pull"
+
+    unknown = httpx.post(app.base_url + path, json=body, headers={"x-kv-transfer-mode": "teleport"}, timeout=60)
+    assert unknown.status_code == 400 and "teleport" in unknown.json()["error"]["message"]

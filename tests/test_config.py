@@ -1,0 +1,115 @@
+"""Configuration parsing and validation, including the GPU presets (validated here as configuration only)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from app.builder import _engine_deployment, build_app, resolve_config_path
+from app.config import PDAppConfig, load_config
+from app.engine_server import DecodeServer, PrefillServer
+from kv.transfer_config import build_kv_transfer_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CPU = CONFIGS / "cpu-tiny.yaml"
+GPU_PRESETS = sorted(CONFIGS.glob("gpu-*.yaml"))
+
+
+def raw_cpu_config() -> dict:
+    return yaml.safe_load(CPU.read_text())
+
+
+def test_cpu_default_binds_each_engine_to_its_own_core():
+    config = load_config(CPU)
+    assert config.prefill.cpu_cores == ["0"] and config.decode.cpu_cores == ["1"]
+    assert config.prefill.placement_group_config.bundles == [{"CPU": 1}]
+    assert config.prefill.engine_kwargs["enable_prefix_caching"] is False
+    assert config.transfer.backends == ["UCX"] and config.transfer.kv_buffer_device == "cpu"
+
+
+def test_cpu_engine_deployments_reserve_their_bundle():
+    config = load_config(CPU)
+    prefill = _engine_deployment(PrefillServer, config.prefill)
+    assert prefill.name == "PrefillServer"
+    assert prefill.ray_actor_options["num_cpus"] == 1 and prefill.ray_actor_options["num_gpus"] == 0
+    assert prefill.ray_actor_options["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert _engine_deployment(DecodeServer, config.decode).name == "DecodeServer"
+
+
+def test_serve_config_points_at_the_cpu_default():
+    serve_config = yaml.safe_load((CONFIGS.parent / "serve_config.yaml").read_text())
+    [application] = serve_config["applications"]
+    assert application["import_path"] == "app.builder:build_app"
+    assert resolve_config_path(application["args"]["config_file"]).resolve() == CPU.resolve()
+    assert serve_config["http_options"] == {"host": "127.0.0.1", "port": 8000}
+
+
+def test_app_builds_from_a_file_or_inline_config():
+    assert build_app({"config_file": str(CPU)}) is not None
+    assert build_app(raw_cpu_config()) is not None
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS, ids=[p.stem for p in GPU_PRESETS])
+def test_gpu_preset_resolves_to_whole_nodes_and_efa(preset):
+    config = load_config(preset)
+    for side, server in ((config.prefill, PrefillServer), (config.decode, DecodeServer)):
+        tp = side.engine_kwargs["tensor_parallel_size"]
+        [bundle] = side.placement_group_config.bundles
+        assert bundle["GPU"] == tp == 8  # a whole 8-GPU node per engine: prefill and decode cannot share a node
+        assert side.engine_kwargs["enable_prefix_caching"] is False
+        assert side.cpu_cores is None
+        options = _engine_deployment(server, side).ray_actor_options
+        assert options["num_gpus"] == 8
+    assert config.model_id == "Qwen/Qwen3-32B"
+    kv_config = build_kv_transfer_config(config.transfer, "engine-x")
+    assert kv_config.kv_connector_extra_config["backends"] == ["LIBFABRIC"]
+    assert kv_config.kv_buffer_device == "cuda" and kv_config.kv_role == "kv_both"
+
+
+def _invalid(mutate) -> str:
+    raw = raw_cpu_config()
+    mutate(raw)
+    with pytest.raises(ValidationError) as error:
+        PDAppConfig.model_validate(raw)
+    return str(error.value)
+
+
+def test_sides_must_serve_the_same_model():
+    assert "same model" in _invalid(lambda c: c["decode"].update(
+        model_loading_config={"model_id": "other", "model_source": "/models/other"}))
+
+
+def test_one_core_set_per_replica():
+    assert "one per replica" in _invalid(lambda c: c["prefill"].update(
+        deployment_config={"num_replicas": 2}))
+
+
+def test_engine_kwargs_cannot_smuggle_a_connector():
+    assert "kv_transfer_config" in _invalid(lambda c: c["decode"]["engine_kwargs"].update(
+        kv_transfer_config={"kv_connector": "Other"}))
+
+
+def test_cpu_engines_cannot_use_a_cuda_buffer():
+    assert "kv_buffer_device" in _invalid(lambda c: c["transfer"].update(kv_buffer_device="cuda"))
+
+
+def test_unknown_keys_and_modes_are_refused():
+    assert "extra" in _invalid(lambda c: c.update(colour="blue")).lower()
+    assert "default_mode" in _invalid(lambda c: c["transfer"].update(default_mode="teleport"))
+    assert "backends" in _invalid(lambda c: c["transfer"].update(backends=["CARRIER_PIGEON"]))
+
+
+def test_backends_have_one_place_in_the_config():
+    assert "transfer.backends" in _invalid(lambda c: c["transfer"].update(
+        connector_extra_config={"backends": ["UCX"]}))
+
+
+def test_config_is_immutable_once_validated():
+    config = load_config(CPU)
+    with pytest.raises(ValidationError):
+        config.transfer.default_mode = "push"
+    assert copy.deepcopy(config) == config
