@@ -56,7 +56,9 @@ class EngineServer:
         await self.engine.check_health()
 
     def transfer_identity(self) -> dict:
-        return self.identity.as_dict()
+        parallel = self.engine.vllm_config.parallel_config
+        return {**self.identity.as_dict(), "tp_size": parallel.tensor_parallel_size,
+                "pp_size": parallel.pipeline_parallel_size}
 
     def load(self) -> dict:
         return self.stats.load()
@@ -68,6 +70,7 @@ class EngineServer:
         return {
             "max_model_len": self.engine.model_config.max_model_len,
             "block_size": self.engine.vllm_config.cache_config.block_size,
+            "pid": os.getpid(),  # the replica's process; the engine's processes are its children
         }
 
     async def _run(self, request: EngineRequest) -> AsyncIterator:
@@ -82,8 +85,10 @@ class EngineServer:
 class PrefillServer(EngineServer):
     role = "prefill"
 
-    async def prefill(self, request: EngineRequest) -> PrefillResult:
-        """Compute the prompt's KV and return where it lives; the one sampled token is discarded (decode samples)."""
+    async def prefill(self, request: EngineRequest) -> AsyncIterator[dict | PrefillResult]:
+        """Yield this engine's transfer identity at once (a push decode leg registers with it while prefill runs),
+        then compute the prompt's KV and yield where it lives. The one sampled token is discarded: decode samples."""
+        yield self.transfer_identity()
         request.sampling_params = request.sampling_params.clone()
         request.sampling_params.max_tokens = 1
         request.sampling_params.min_tokens = 0
@@ -91,7 +96,7 @@ class PrefillServer(EngineServer):
         final = None
         async for final in self._run(request):
             pass
-        return PrefillResult(final.kv_transfer_params, len(request.prompt_token_ids))
+        yield PrefillResult(final.kv_transfer_params, len(request.prompt_token_ids))
 
 
 class DecodeServer(EngineServer):

@@ -14,12 +14,15 @@ PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfe
 
 
 def _connector_counts(kv_connector_stats: dict[str, Any]) -> Counter:
-    """Sum NIXL's per-step transfer records: {'bytes_transferred': [...], 'num_failed_transfers': [...], ...}."""
+    """Sum the connector's per-step transfer records ({'bytes_transferred': [...], 'push_transfer_duration': [...],
+    'num_failed_transfers': [...], ...}); the per-mode keys exist with the project's connector only."""
     data = kv_connector_stats.get("data", kv_connector_stats)
     counts = Counter()
-    counts["transfers"] += len(data.get("transfer_duration", ()))
-    counts["bytes"] += int(sum(data.get("bytes_transferred", ())))
-    for key in ("num_failed_transfers", "num_failed_notifications", "num_failed_handshakes", "num_kv_expired_reqs"):
+    for prefix in ("", "push_", "pull_"):
+        counts[f"{prefix}transfers"] += len(data.get(f"{prefix}transfer_duration", ()))
+        counts[f"{prefix}bytes"] += int(sum(data.get(f"{prefix}bytes_transferred", ())))
+    for key in ("num_failed_transfers", "num_failed_notifications", "num_failed_handshakes", "num_kv_expired_reqs",
+                "registrations_first", "push_timeouts"):
         counts[key.removeprefix("num_")] += len(data.get(key, ()))
     return counts
 

@@ -10,6 +10,7 @@ prompt lengths, cycling through the modes request by request so that machine noi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -33,6 +34,28 @@ def first_token_seconds(client: httpx.Client, url: str, model: str, prompt: list
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                 return time.perf_counter() - start
     raise RuntimeError("stream ended without a token")
+
+
+def idle_cpu_percent(pids: dict[str, int], seconds: float = 10.0) -> dict[str, float]:
+    """CPU used by each engine's whole process tree (replica, engine core, workers) while no request runs,
+    in percent of one core."""
+    def cpu_seconds(pid: int) -> float:
+        root = psutil.Process(pid)
+        total = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        return total
+
+    before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    time.sleep(seconds)
+    return {role: 100 * (cpu_seconds(pid) - before[role]) / seconds for role, pid in pids.items()}
+
+
+def report_idle_cpu(console: Console, when: str, idle: dict[str, float]) -> None:
+    console.print(f"idle CPU {when}, % of one core: "
+                  + ", ".join(f"{role} {pct:.1f}" for role, pct in idle.items()) + f" (pair: {sum(idle.values()):.1f})")
 
 
 def main() -> None:
@@ -65,6 +88,9 @@ def main() -> None:
         memory_gib = (psutil.virtual_memory().used - used_before) / 2**30
         console.print(f"cold start (ray.init to app ready): {cold_start:.1f} s; memory used by the stack: "
                       f"{memory_gib:.1f} GiB")
+        pids = {role: serve.get_deployment_handle(f"{role.capitalize()}Server", app_name="pd")
+                .engine_info.remote().result()["pid"] for role in ("prefill", "decode")}
+        report_idle_cpu(console, "after start-up", idle_cpu_percent(pids))
 
         url = f"http://127.0.0.1:{port}/v1/completions"
         rng = random.Random(0)
@@ -91,6 +117,8 @@ def main() -> None:
             ratios = [f"{p50[m] / p50[baseline]:.2f}x" for m in modes if baseline and m != baseline]
             table.add_row(str(n), *(f"{p50[m]:.0f}" for m in modes), *ratios)
         console.print(table)
+        time.sleep(max(5.0, config.transfer.lease_s / 2))  # in-flight leases and notifications settle
+        report_idle_cpu(console, "after the runs", idle_cpu_percent(pids))
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -16,12 +16,13 @@ class StrictModel(BaseModel):
 
 
 class ConnectorConfig(StrictModel):
-    """Which vLLM KV connector every engine runs. Built-in connectors need only `name`."""
+    """Which vLLM KV connector every engine runs: by default the project's dual-mode connector. vLLM's built-in
+    `NixlConnector` (module_path null, modes [pull]) also works, for pull only."""
 
-    name: str = "NixlConnector"
-    module_path: str | None = Field(default=None, description="Import path of a connector outside vLLM.")
+    name: str = "DualModeNixlConnector"
+    module_path: str | None = Field(default="kv.connector", description="Import path of a connector outside vLLM.")
     modes: list[Literal["push", "pull"]] = Field(
-        default=["pull"], min_length=1, description="The transfer modes this connector serves."
+        default=["push", "pull"], min_length=1, description="The transfer modes this connector serves."
     )
 
 
@@ -32,6 +33,20 @@ class TransferConfig(StrictModel):
     kv_buffer_device: Literal["cpu", "cuda"] = "cpu"
     side_channel_host: str | None = Field(
         default=None, description="Address peers use to reach an engine; default: the node's IP."
+    )
+    push_timeout_s: float = Field(
+        default=20.0, gt=0, description="Push: how long decode waits for prefill's WRITE after registering."
+    )
+    lease_s: int = Field(
+        default=30, gt=0, description="How long prefill keeps the KV of a finished request for a decode to take."
+    )
+    on_transfer_failure: Literal["fail", "recompute"] = Field(
+        default="fail", description="When KV does not arrive: fail the request, or let decode compute the prompt."
+    )
+    progress_thread: bool = Field(
+        default=False,
+        description="Run NIXL's progress thread (it polls without pause: a core per engine). Off, the engines' "
+        "own steps drive transfers; turn it on for transports that need the passive side to progress.",
     )
     connector_extra_config: dict[str, Any] = Field(
         default_factory=dict, description="Extra kv_connector_extra_config entries (leases, timeouts, threads)."
@@ -51,6 +66,7 @@ class TransferConfig(StrictModel):
     @field_validator("connector_extra_config")
     @classmethod
     def _backends_have_one_home(cls, extra: dict[str, Any]) -> dict[str, Any]:
-        if "backends" in extra:
-            raise ValueError("set NIXL backends with transfer.backends, not connector_extra_config")
+        owned = {"backends", "push_registration_timeout", "kv_lease_duration", "progress_thread"} & extra.keys()
+        if owned:
+            raise ValueError(f"{sorted(owned)} are set by the transfer section's own fields, not connector_extra_config")
         return extra

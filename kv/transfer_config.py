@@ -15,5 +15,12 @@ def build_kv_transfer_config(transfer: TransferConfig, engine_id: str) -> KVTran
         kv_role="kv_both",
         engine_id=engine_id,
         kv_buffer_device=transfer.kv_buffer_device,
-        kv_connector_extra_config={**transfer.connector_extra_config, "backends": list(transfer.backends)},
+        kv_load_failure_policy=transfer.on_transfer_failure,
+        kv_connector_extra_config={
+            **transfer.connector_extra_config,
+            "backends": list(transfer.backends),
+            "push_registration_timeout": transfer.push_timeout_s,
+            "kv_lease_duration": transfer.lease_s,
+            "progress_thread": transfer.progress_thread,
+        },
     )

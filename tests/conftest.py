@@ -6,17 +6,23 @@ import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import yaml
 
 from app.tiny_model import corpus_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_CONFIG = ROOT / "configs" / "cpu-tiny.yaml"
 APP_NAME = "pd"
+ROLES = ("prefill", "decode")
+# Short lifetimes keep the lease and timeout tests quick; everything else is the CPU default.
+LEASE_S = 4
+PUSH_TIMEOUT_S = 3
 
 
 @dataclass(frozen=True)
@@ -84,14 +90,37 @@ class RunningApp:
     def engine_call(self, role: str, method: str) -> Any:
         return getattr(self.handles[role], method).remote().result()
 
-    def wait_for(self, role: str, method: str, done: Callable[[Any], bool], timeout_s: float = 5.0) -> Any:
+    def totals(self) -> dict[str, dict]:
+        return {role: self.engine_call(role, "transfer_totals") for role in ROLES}
+
+    def wait_for_totals(self, done: Callable[[dict], bool], timeout_s: float = 5.0) -> dict[str, dict]:
         """Engine counters are updated by vLLM's stats loop, a moment after the response is sent."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = self.engine_call(role, method)
-            if done(value) or time.monotonic() > deadline:
-                return value
-            time.sleep(0.05)
+        return wait_until(self.totals, done, timeout_s)
+
+    @staticmethod
+    def growth(before: dict[str, dict], after: dict[str, dict]) -> dict[str, Counter]:
+        """Per engine, how much each counter rose: prompt tokens by source and transfer counters alike."""
+        def flat(totals: dict) -> Counter:
+            return Counter({**totals["prompt_tokens_by_source"], **totals["kv_transfers"]})
+        return {role: flat(after[role]) - flat(before[role]) for role in ROLES}
+
+    def loads(self) -> dict[str, dict]:
+        return {role: self.engine_call(role, "load") for role in ROLES}
+
+    def wait_until_idle(self, timeout_s: float) -> dict[str, dict]:
+        """Both engines with no request and no KV block in use (or the last reading, once the time is up)."""
+        def idle(loads):
+            return all(l["running"] == l["waiting"] == 0 and l["kv_cache_usage"] == 0 for l in loads.values())
+        return wait_until(self.loads, idle, timeout_s)
+
+
+def wait_until(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
@@ -107,9 +136,11 @@ def app(reference_outputs) -> RunningApp:
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"config_file": str(CPU_CONFIG)}), name=APP_NAME, route_prefix="/")
+        config = yaml.safe_load(CPU_CONFIG.read_text())
+        config["transfer"].update(lease_s=LEASE_S, push_timeout_s=PUSH_TIMEOUT_S)
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         handles = {role: serve.get_deployment_handle(f"{role.capitalize()}Server", app_name=APP_NAME)
-                   for role in ("prefill", "decode")}
+                   for role in ROLES}
         yield RunningApp(f"http://127.0.0.1:{port}", handles)
     finally:
         serve.shutdown()

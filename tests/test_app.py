@@ -39,35 +39,36 @@ def _stream_text(base_url: str, path: str, body: dict) -> str:
     return text
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_greedy_output_equals_colocated_engine_and_kv_crossed(app, reference_outputs, case):
+def test_greedy_output_equals_colocated_engine_and_kv_crossed(app, reference_outputs, case, mode):
     reference = reference_outputs[case.name]
     num_prompt_tokens = len(reference["prompt_token_ids"])
-    before = {role: app.engine_call(role, "transfer_totals") for role in ("prefill", "decode")}
+    before = app.totals()
 
     path, body = _body(case)
-    response = httpx.post(app.base_url + path, json=body, timeout=120)
+    response = httpx.post(app.base_url + path, json=body, headers={"x-kv-transfer-mode": mode}, timeout=120)
     assert response.status_code == 200, response.text
+    assert response.headers["x-kv-transfer-mode"] == mode
     result = response.json()
     choice = result["choices"][0]
     assert result["usage"]["prompt_tokens"] == num_prompt_tokens  # the ingress tokenized as the reference did
     assert choice["token_ids"] == reference["token_ids"]
     assert _text_of(choice) == reference["text"]
 
-    # Decode received every prompt token by transfer and computed none of them itself.
+    # Decode received every prompt token by transfer and computed none of them itself ...
     assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == num_prompt_tokens
-    decode = app.wait_for("decode", "transfer_totals", lambda t: t["kv_transfers"].get("transfers", 0)
-                          > before["decode"]["kv_transfers"].get("transfers", 0))
-    prefill = app.engine_call("prefill", "transfer_totals")
-
-    def grew(totals, role, source):
-        return totals["prompt_tokens_by_source"][source] - before[role]["prompt_tokens_by_source"][source]
-
-    assert grew(decode, "decode", "external_kv_transfer") == num_prompt_tokens
-    assert grew(decode, "decode", "local_compute") == 0
-    assert grew(prefill, "prefill", "local_compute") == num_prompt_tokens
-    assert decode["kv_transfers"]["bytes"] > before["decode"]["kv_transfers"].get("bytes", 0)
-    assert decode["kv_transfers"]["failed_transfers"] == 0
+    # ... by one transfer of the requested kind: push = a WRITE issued by prefill, pull = a READ issued by decode.
+    issuer, bystander = ("prefill", "decode") if mode == "push" else ("decode", "prefill")
+    after = app.wait_for_totals(lambda t: t[issuer]["kv_transfers"].get(f"{mode}_transfers", 0)
+                                > before[issuer]["kv_transfers"].get(f"{mode}_transfers", 0))
+    grew = app.growth(before, after)
+    assert grew[issuer][f"{mode}_transfers"] == 1 and grew[issuer][f"{mode}_bytes"] > 0
+    assert grew[bystander]["transfers"] == 0 and grew[issuer]["transfers"] == 1
+    assert grew["decode"]["external_kv_transfer"] == num_prompt_tokens
+    assert grew["decode"]["local_compute"] == 0
+    assert grew["prefill"]["local_compute"] == num_prompt_tokens
+    assert after["decode"]["kv_transfers"].get("failed_transfers", 0) == 0
 
 
 def test_long_case_spans_eight_kv_blocks(app, reference_outputs):
@@ -147,13 +148,14 @@ def test_bad_request_gets_a_clear_4xx_and_the_app_keeps_serving(app, name):
 def test_transfer_mode_is_chosen_per_request_and_reported(app, reference_outputs):
     case = CASES[1]
     path, body = _body(case)
-    before = app.engine_call("decode", "transfer_totals")
+    before = app.totals()
     local = httpx.post(app.base_url + path, json=body, headers={"x-kv-transfer-mode": "local"}, timeout=120)
     assert local.status_code == 200 and local.headers["x-kv-transfer-mode"] == "local"
     assert local.json()["choices"][0]["token_ids"] == reference_outputs[case.name]["token_ids"]
     assert local.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    after = app.engine_call("decode", "transfer_totals")
-    assert after["kv_transfers"] == before["kv_transfers"]
+    grew = app.growth(before, app.totals())
+    assert grew["decode"]["transfers"] == grew["prefill"]["transfers"] == 0
+    assert grew["prefill"]["local_compute"] == 0
 
     default = httpx.post(app.base_url + path, json=body, timeout=120)
     assert default.headers["x-kv-transfer-mode"] == "pull"

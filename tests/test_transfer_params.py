@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv.transfer_params import pull_decode_params, pull_prefill_params
-
+from kv.transfer_params import new_transfer_id, prefill_params, pull_decode_params, push_decode_params
 
 PREFILL_ANSWER = {
     "do_remote_prefill": True,
@@ -17,17 +16,24 @@ PREFILL_ANSWER = {
     "remote_port": 5601,
     "tp_size": 1,
     "remote_prefill_cached_tokens": 0,
+    "transfer_mode": "pull",
+    "transfer_id": "t-1",
     "unexpected": "dropped",
 }
+PREFILL_IDENTITY = {"engine_id": "prefill-1", "side_channel_host": "10.1.2.3", "side_channel_port": 5601,
+                    "tp_size": 8, "pp_size": 1}
 
 
-def test_prefill_leg_keeps_its_blocks_for_a_remote_decode():
-    assert pull_prefill_params() == {"do_remote_decode": True, "do_remote_prefill": False}
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_prefill_leg_keeps_its_blocks_for_a_remote_decode(mode):
+    assert prefill_params(mode, "t-1") == {"do_remote_decode": True, "do_remote_prefill": False,
+                                           "transfer_mode": mode, "transfer_id": "t-1"}
 
 
-def test_decode_leg_reads_from_the_location_prefill_returned():
+def test_pull_decode_leg_reads_from_the_location_prefill_returned():
     params = pull_decode_params(PREFILL_ANSWER)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["transfer_mode"] == "pull" and params["transfer_id"] == "t-1"
     assert params["remote_block_ids"] == [[3, 4]] and params["remote_engine_id"] == "prefill-1"
     assert "remote_prefill_cached_tokens" not in params and "unexpected" not in params
 
@@ -36,3 +42,15 @@ def test_decode_leg_reads_from_the_location_prefill_returned():
 def test_a_prefill_answer_without_blocks_is_an_error(answer):
     with pytest.raises(RuntimeError, match="no KV location"):
         pull_decode_params(answer)
+
+
+def test_push_decode_leg_registers_with_the_chosen_prefill_engine():
+    params = push_decode_params("t-9", PREFILL_IDENTITY)
+    assert params["transfer_mode"] == "push" and params["transfer_id"] == "t-9"
+    assert (params["remote_engine_id"], params["remote_host"], params["remote_port"]) == ("prefill-1", "10.1.2.3", 5601)
+    assert params["tp_size"] == 8 and params["remote_block_ids"] == ()
+    assert params["do_remote_prefill"] is True
+
+
+def test_transfer_ids_are_unique():
+    assert len({new_transfer_id() for _ in range(1000)}) == 1000

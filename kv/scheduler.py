@@ -1,0 +1,74 @@
+"""Scheduler side of the dual-mode connector: each request's hooks go to vLLM's push or pull logic, by its params.
+
+Built on vLLM 0.32.0's NIXL scheduler classes (pinned exactly). One object inherits both modes over one shared base
+(one side-channel listener, one set of lease tables); the per-request hooks dispatch explicitly on the mode the
+ingress wrote into `kv_transfer_params`. What this adds on top of vLLM:
+- the transfer id travels with push registrations and finished push blocks, so the worker matches them by the id
+  the ingress generated, never by request-id similarity;
+- each pending decode-side receive is tagged with its mode for the worker (metadata `transfer_modes`);
+- the answer of a finished request states the mode that was really used and its transfer id.
+
+vLLM internals relied on: the per-request hooks of both classes, `_push_pending_registrations`, `_reqs_need_recv`,
+`NixlConnectorMetadata.reqs_to_recv` / `push_finished_blocks`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
+
+from kv.transfer_params import MODE_KEY, TRANSFER_ID_KEY
+
+
+def transfer_mode(params: dict[str, Any] | None) -> str:
+    """The mode a request's params ask for; requests from plain vLLM clients are pull, as in vLLM."""
+    return (params or {}).get(MODE_KEY) or "pull"
+
+
+class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Decode side: mode of each request whose receive has not yet been handed to the worker.
+        self._recv_modes: dict[str, str] = {}
+        # Prefill side: transfer id of each finished push request whose blocks the worker has not yet been given.
+        self._finished_push_ids: dict[str, str] = {}
+
+    @staticmethod
+    def _mode_class(request) -> type:
+        return NixlPushConnectorScheduler if transfer_mode(request.kv_transfer_params) == "push" \
+            else NixlPullConnectorScheduler
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._mode_class(request).get_num_new_matched_tokens(self, request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._mode_class(request).update_state_after_alloc(self, request, blocks, num_external_tokens)
+        self._note_new_receive(request)
+        registration = self._push_pending_registrations.get(request.request_id)
+        if registration is not None:
+            registration[TRANSFER_ID_KEY] = request.kv_transfer_params.get(TRANSFER_ID_KEY)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        delay_free, answer = self._mode_class(request).request_finished(self, request, block_ids)
+        self._note_new_receive(request)  # an abort before allocation still queues a receive that releases prefill
+        if request.request_id in self._newly_finished_push_blocks:
+            self._finished_push_ids[request.request_id] = params.get(TRANSFER_ID_KEY)
+        if answer is not None:
+            answer[MODE_KEY] = transfer_mode(params)
+            if params.get(TRANSFER_ID_KEY):
+                answer[TRANSFER_ID_KEY] = params[TRANSFER_ID_KEY]
+        return delay_free, answer
+
+    def _note_new_receive(self, request) -> None:
+        if request.request_id in self._reqs_need_recv:
+            self._recv_modes[request.request_id] = transfer_mode(request.kv_transfer_params)
+
+    def build_connector_meta(self, scheduler_output) -> NixlConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        meta.transfer_modes = {rid: self._recv_modes.pop(rid, "pull") for rid in meta.reqs_to_recv}
+        meta.push_transfer_ids = {rid: self._finished_push_ids.pop(rid) for rid in meta.push_finished_blocks}
+        return meta

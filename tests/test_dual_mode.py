@@ -1,0 +1,161 @@
+"""The dual-mode connector on one real prefill/decode pair: push and pull side by side, both arrival orders of a
+push, aborts, leases and timeouts. Real engines, real NIXL."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import pytest
+from vllm import SamplingParams
+
+from app.engine_protocol import EngineRequest
+from conftest import CASES, LEASE_S, PUSH_TIMEOUT_S, prompt_token_ids
+from kv.transfer_params import new_transfer_id, prefill_params, push_decode_params
+
+pytestmark = pytest.mark.engines
+MODEL = "tiny-qwen3"
+IDLE_WITHIN_S = LEASE_S + PUSH_TIMEOUT_S + 10
+
+
+def _complete(app, case, mode: str) -> dict:
+    body = {"model": MODEL, "max_tokens": case.max_tokens, "temperature": 0, "return_token_ids": True}
+    if case.prompt is not None:
+        path, body = "/v1/completions", {**body, "prompt": case.prompt}
+    else:
+        path, body = "/v1/chat/completions", {**body, "messages": list(case.messages)}
+    response = httpx.post(app.base_url + path, json=body, headers={"x-kv-transfer-mode": mode}, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kv-transfer-mode"] == mode
+    return response.json()
+
+
+def test_interleaved_concurrent_push_and_pull_match_the_colocated_engine(app, reference_outputs):
+    jobs = [(case, mode) for case in CASES for mode in ("push", "pull")] * 2
+    before = app.totals()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        results = list(pool.map(lambda job: _complete(app, *job), jobs))
+
+    for (case, mode), result in zip(jobs, results):
+        reference = reference_outputs[case.name]
+        assert result["choices"][0]["token_ids"] == reference["token_ids"], (case.name, mode)
+        assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == len(reference["prompt_token_ids"])
+
+    pushes = sum(1 for _, mode in jobs if mode == "push")
+    after = app.wait_for_totals(lambda t: t["prefill"]["kv_transfers"].get("push_transfers", 0)
+                                >= before["prefill"]["kv_transfers"].get("push_transfers", 0) + pushes)
+    grew = app.growth(before, after)
+    prompt_tokens = sum(len(reference_outputs[case.name]["prompt_token_ids"]) for case, _ in jobs)
+    assert grew["prefill"]["push_transfers"] == pushes and grew["prefill"]["pull_transfers"] == 0
+    assert grew["decode"]["pull_transfers"] == len(jobs) - pushes and grew["decode"]["push_transfers"] == 0
+    assert grew["decode"]["external_kv_transfer"] == prompt_tokens and grew["decode"]["local_compute"] == 0
+    assert app.wait_until_idle(IDLE_WITHIN_S)["decode"]["kv_cache_usage"] == 0
+
+
+# -- push arrival orders, driven leg by leg through the engine deployments ----------------------------------------
+
+def _legs(app, tokenizer, case):
+    transfer_id = new_transfer_id()
+    ids = prompt_token_ids(tokenizer, case)
+    params = SamplingParams(temperature=0.0, max_tokens=case.max_tokens)
+    identity = app.engine_call("prefill", "transfer_identity")
+    request_id = f"order-{transfer_id}"
+    prefill = EngineRequest(request_id, ids, params, prefill_params("push", transfer_id))
+    decode = EngineRequest(request_id, ids, params, push_decode_params(transfer_id, identity))
+    return prefill, decode
+
+
+def _run_prefill(app, leg) -> None:
+    list(app.handles["prefill"].options(stream=True).prefill.remote(leg))
+
+
+def _run_decode(app, leg) -> list[int]:
+    return [t for chunk in app.handles["decode"].options(stream=True).generate.remote(leg) for t in chunk.token_ids]
+
+
+def test_push_with_decode_registering_first(app, tokenizer, reference_outputs):
+    case = CASES[2]
+    prefill_leg, decode_leg = _legs(app, tokenizer, case)
+    before = app.totals()
+    decoded: list[int] = []
+    decode = threading.Thread(target=lambda: decoded.extend(_run_decode(app, decode_leg)))
+    decode.start()
+    # Decode allocates and sends its registration within milliseconds; prefill starts well after that (and well
+    # inside the push timeout). An idle prefill engine reads the registration when it starts working.
+    time.sleep(PUSH_TIMEOUT_S / 3)
+    _run_prefill(app, prefill_leg)
+    decode.join(timeout=60)
+    assert decoded == reference_outputs[case.name]["token_ids"]
+    grew = app.growth(before, app.wait_for_totals(
+        lambda t: t["prefill"]["kv_transfers"].get("push_transfers", 0)
+        > before["prefill"]["kv_transfers"].get("push_transfers", 0)))
+    # the registration was at prefill before prefill finished, and waited there for it
+    assert grew["prefill"]["registrations_first"] == 1 and grew["prefill"]["push_transfers"] == 1
+
+
+def test_push_with_prefill_finishing_first(app, tokenizer, reference_outputs):
+    case = CASES[1]
+    prefill_leg, decode_leg = _legs(app, tokenizer, case)
+    before = app.totals()
+    _run_prefill(app, prefill_leg)  # prefill is done and holds its blocks under lease before decode even starts
+    assert app.loads()["prefill"]["kv_cache_usage"] > 0
+    assert _run_decode(app, decode_leg) == reference_outputs[case.name]["token_ids"]
+    grew = app.growth(before, app.wait_for_totals(
+        lambda t: t["prefill"]["kv_transfers"].get("push_transfers", 0)
+        > before["prefill"]["kv_transfers"].get("push_transfers", 0)))
+    assert grew["prefill"]["registrations_first"] == 0 and grew["prefill"]["push_transfers"] == 1
+    assert grew["decode"]["external_kv_transfer"] == len(prefill_leg.prompt_token_ids)
+
+
+# -- bounded lifetimes ---------------------------------------------------------------------------------------------
+
+def test_untaken_prefill_result_is_freed_at_lease_expiry(app, tokenizer):
+    transfer_id = new_transfer_id()
+    leg = EngineRequest(f"untaken-{transfer_id}", prompt_token_ids(tokenizer, CASES[2]),
+                        SamplingParams(temperature=0.0, max_tokens=4), prefill_params("pull", transfer_id))
+    before = app.totals()
+    _run_prefill(app, leg)
+    assert app.loads()["prefill"]["kv_cache_usage"] > 0  # held for a decode engine that never comes
+    loads = app.wait_until_idle(LEASE_S + 10)
+    assert loads["prefill"]["kv_cache_usage"] == 0
+    grew = app.growth(before, app.wait_for_totals(
+        lambda t: t["prefill"]["kv_transfers"].get("kv_expired_reqs", 0)
+        > before["prefill"]["kv_transfers"].get("kv_expired_reqs", 0)))
+    assert grew["prefill"]["kv_expired_reqs"] == 1
+
+
+def test_push_registration_without_write_times_out_and_fails(app, tokenizer):
+    # A decode leg registered with prefill under a transfer id that no prefill leg carries: no WRITE ever comes.
+    _, decode_leg = _legs(app, tokenizer, CASES[1])
+    before = app.totals()
+    started = time.monotonic()
+    chunks = list(app.handles["decode"].options(stream=True).generate.remote(decode_leg))
+    waited = time.monotonic() - started
+    assert PUSH_TIMEOUT_S <= waited < PUSH_TIMEOUT_S + 10
+    assert chunks[-1].finish_reason == "error" and not any(c.token_ids for c in chunks)
+    grew = app.growth(before, app.wait_for_totals(lambda t: t["decode"]["kv_transfers"].get("push_timeouts", 0)
+                                                  > before["decode"]["kv_transfers"].get("push_timeouts", 0)))
+    assert grew["decode"]["push_timeouts"] == 1 and grew["decode"]["local_compute"] == 0
+    assert app.wait_until_idle(IDLE_WITHIN_S)["decode"]["kv_cache_usage"] == 0
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("when", ["before-transfer", "mid-stream"])
+def test_client_abort_leaves_no_kv_blocks_in_use(app, mode, when):
+    """The client goes away before prefill is done, or after tokens started flowing: both legs are aborted and,
+    once idle, neither engine holds a KV block (prefill's lease covers a result that decode never took)."""
+    body = {"model": MODEL, "prompt": CASES[2].prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", app.base_url + "/v1/completions", json=body,
+                      headers={"x-kv-transfer-mode": mode}, timeout=60) as response:
+        assert response.status_code == 200
+        if when == "mid-stream":
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+    loads = app.wait_until_idle(IDLE_WITHIN_S)
+    assert loads == {role: {"running": 0, "waiting": 0, "kv_cache_usage": 0.0} for role in ("prefill", "decode")}
+    # and the pair still serves
+    assert _complete(app, CASES[0], mode)["choices"][0]["finish_reason"] == "length"
