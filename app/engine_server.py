@@ -3,6 +3,7 @@ one leg of a disaggregated request."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import AsyncIterator, Literal
 
@@ -87,16 +88,24 @@ class PrefillServer(EngineServer):
 
     async def prefill(self, request: EngineRequest) -> AsyncIterator[dict | PrefillResult]:
         """Yield this engine's transfer identity at once (a push decode leg registers with it while prefill runs),
-        then compute the prompt's KV and yield where it lives. The one sampled token is discarded: decode samples."""
-        yield self.transfer_identity()
+        then where the prompt's KV lives once computed. The one sampled token is discarded: decode samples."""
         request.sampling_params = request.sampling_params.clone()
         request.sampling_params.max_tokens = 1
         request.sampling_params.min_tokens = 0
         request.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
+        computed = asyncio.ensure_future(self._last_output(request))  # the engine starts before the identity leaves
+        try:
+            yield self.transfer_identity()
+            final = await computed
+        finally:
+            computed.cancel()  # the caller went away: abort the prefill (a no-op once it is done)
+        yield PrefillResult(final.kv_transfer_params, len(request.prompt_token_ids))
+
+    async def _last_output(self, request: EngineRequest):
         final = None
         async for final in self._run(request):
             pass
-        yield PrefillResult(final.kv_transfer_params, len(request.prompt_token_ids))
+        return final
 
 
 class DecodeServer(EngineServer):

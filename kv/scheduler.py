@@ -5,7 +5,8 @@ Built on vLLM 0.32.0's NIXL scheduler classes (pinned exactly). One object inher
 ingress wrote into `kv_transfer_params`. What this adds on top of vLLM:
 - the transfer id travels with push registrations and finished push blocks, so the worker matches them by the id
   the ingress generated, never by request-id similarity;
-- each pending decode-side receive is tagged with its mode for the worker (metadata `transfer_modes`);
+- each pending decode-side receive is tagged with its mode for the worker (metadata `transfer_modes`), and each
+  step says whether it runs any model work (metadata `idle_step`);
 - the answer of a finished request states the mode that was really used and its transfer id.
 
 vLLM internals relied on: the per-request hooks of both classes, `_push_pending_registrations`, `_reqs_need_recv`,
@@ -71,4 +72,6 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         meta = super().build_connector_meta(scheduler_output)
         meta.transfer_modes = {rid: self._recv_modes.pop(rid, "pull") for rid in meta.reqs_to_recv}
         meta.push_transfer_ids = {rid: self._finished_push_ids.pop(rid) for rid in meta.push_finished_blocks}
+        # A step with no model work: the worker may then wait a moment for its peer instead of returning at once.
+        meta.idle_step = scheduler_output.total_num_scheduled_tokens == 0
         return meta
