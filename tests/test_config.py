@@ -113,3 +113,21 @@ def test_config_is_immutable_once_validated():
     with pytest.raises(ValidationError):
         config.transfer.default_mode = "push"
     assert copy.deepcopy(config) == config
+
+
+@pytest.mark.parametrize("preset", [CPU, *GPU_PRESETS], ids=lambda p: p.stem)
+def test_presets_run_the_dual_mode_connector_with_bounded_lifetimes(preset):
+    config = load_config(preset)
+    assert set(config.transfer.modes) == {"push", "pull", "local"}
+    kv_config = build_kv_transfer_config(config.transfer, "engine-x")
+    assert (kv_config.kv_connector, kv_config.kv_connector_module_path) == ("DualModeNixlConnector", "kv.connector")
+    extra = kv_config.kv_connector_extra_config
+    assert extra["push_registration_timeout"] == config.transfer.push_timeout_s < 60
+    assert extra["kv_lease_duration"] == config.transfer.lease_s
+    assert extra["progress_thread"] is False
+    assert kv_config.kv_load_failure_policy == config.transfer.on_transfer_failure
+
+
+def test_default_mode_must_be_served_by_the_connector():
+    assert "not served" in _invalid(lambda c: c["transfer"].update(
+        connector={"name": "NixlConnector", "module_path": None, "modes": ["pull"]}, default_mode="push"))
