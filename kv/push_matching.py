@@ -2,6 +2,10 @@
 
 Prefill side: a finished push request and a decode registration meet under the transfer id the ingress gave both
 legs, in either order. Decode side: a registered receive must see its WRITE by a deadline.
+
+The two sides share one timeout but not one clock: prefill only WRITEs into a registration during a window that
+closes well before decode's deadline (`write_window`), so a WRITE never lands in blocks that decode has already
+given up on and handed to another request.
 """
 
 from __future__ import annotations
@@ -17,10 +21,21 @@ class PendingRegistration:
     received_at: float
 
 
+# Share of decode's push timeout during which prefill may still start a WRITE: the rest is the margin for the
+# registration's trip to prefill and for the WRITE itself (milliseconds, against a timeout of seconds).
+WRITE_WINDOW_SHARE = 0.8
+
+
+def write_window(push_timeout_s: float) -> float:
+    """How long after a registration arrives prefill may still WRITE into it, for decode's `push_timeout_s`."""
+    return push_timeout_s * WRITE_WINDOW_SHARE
+
+
 @dataclass
 class PushMatcher:
-    """Prefill side. Registrations that find no finished request are kept until `max_wait_s` (decode gives up on
-    them by then), so that a registration for a request this engine never finishes cannot stay forever.
+    """Prefill side. A registration is usable for `max_wait_s` after it arrives (see `write_window`); older ones are
+    dropped, never written, so that a registration for a request this engine never finishes cannot stay forever
+    and a late prefill cannot WRITE into blocks decode has released.
     Thread-safe: the transfer writer thread matches while the engine thread records and forgets."""
 
     max_wait_s: float
@@ -36,11 +51,14 @@ class PushMatcher:
             self._request_of[transfer_id] = request_id
 
     def take_registration(self, request_id: str, now: float) -> tuple[dict[str, Any], float] | None:
-        """The finished request's blocks are here: its registration and how long it waited, if decode sent it."""
+        """The finished request's blocks are here: its registration and how long it waited, if decode sent it
+        and is still waiting for it."""
         with self._lock:
             transfer_id = self._transfer_of.get(request_id)
             pending = self._waiting.pop(transfer_id, None) if transfer_id is not None else None
-        return None if pending is None else (pending.registration, now - pending.received_at)
+        if pending is None or now - pending.received_at > self.max_wait_s:
+            return None
+        return pending.registration, now - pending.received_at
 
     def registration_arrived(self, registration: dict[str, Any], transfer_id: str, now: float) -> str | None:
         """A decode registration arrived: the prefill request it belongs to, if that one finished already (the

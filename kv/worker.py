@@ -33,7 +33,7 @@ from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
 from vllm.logger import init_logger
 
 from kv.mode_stats import DualModeStats
-from kv.push_matching import PushMatcher, ReceiveDeadlines
+from kv.push_matching import PushMatcher, ReceiveDeadlines, write_window
 from kv.transfer_params import TRANSFER_ID_KEY
 
 logger = init_logger(__name__)
@@ -71,7 +71,7 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
         push_timeout_s = float(extra.get("push_registration_timeout", DEFAULT_PUSH_TIMEOUT_S))
         # Prefill side: read and written by the writer thread, plus `request_finished` from the main thread
         # (always before the request's blocks reach the writer).
-        self._push_matcher = PushMatcher(max_wait_s=push_timeout_s)
+        self._push_matcher = PushMatcher(max_wait_s=write_window(push_timeout_s))
         # Decode side, main thread only.
         self._push_deadlines = ReceiveDeadlines(timeout_s=push_timeout_s)
         self._idle_step = False

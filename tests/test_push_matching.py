@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kv.push_matching import PushMatcher, ReceiveDeadlines
+from kv.push_matching import PushMatcher, ReceiveDeadlines, write_window
 
 
 def registration(transfer_id: str) -> dict:
@@ -72,3 +72,20 @@ def test_receive_deadlines():
     assert deadlines.expired(now=2.5, still_waiting=waiting.__contains__) == ["late"]
     assert deadlines.expired(now=3.6, still_waiting=waiting.__contains__) == ["fresh"]
     assert len(deadlines) == 0
+
+
+def test_a_registration_past_the_write_window_is_never_written():
+    """Prefill finishing late must not WRITE into blocks decode already gave up on."""
+    timeout_s = 10
+    matcher = PushMatcher(max_wait_s=write_window(timeout_s))
+    matcher.registration_arrived(registration("t1"), "t1", now=0.0)
+    matcher.request_finished("prefill-1", "t1")
+    assert matcher.take_registration("prefill-1", now=write_window(timeout_s) + 0.01) is None
+    assert write_window(timeout_s) < timeout_s
+
+
+def test_a_registration_inside_the_write_window_is_written():
+    matcher = PushMatcher(max_wait_s=write_window(10))
+    matcher.registration_arrived(registration("t1"), "t1", now=0.0)
+    matcher.request_finished("prefill-1", "t1")
+    assert matcher.take_registration("prefill-1", now=write_window(10) - 0.01)[0] == registration("t1")
