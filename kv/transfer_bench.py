@@ -20,6 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 256 << 20]
+TARGET_POLL_S = 0.001
+TRANSFER_LIMIT_S = 60.0
 
 
 def _agent(name: str, backend: str):
@@ -41,7 +43,10 @@ def _target(conn, backend: str, layers: int, num_blocks: int, block_bytes: int) 
     regions = _kv_regions(layers, num_blocks, block_bytes)
     agent.register_memory(agent.get_reg_descs(regions))
     conn.send((agent.get_agent_metadata(), [r.data_ptr() for r in regions]))
-    conn.recv()
+    # Like an engine between steps, the target drives its agent's progress now and then: without a progress thread,
+    # UCX completes large transfers only while both sides progress.
+    while not conn.poll(TARGET_POLL_S):
+        agent.get_new_notifs()
 
 
 def _descs(bases: list[int], block_ids: list[int], block_bytes: int) -> list[tuple[int, int, int]]:
@@ -64,7 +69,8 @@ def _timed_transfer(agent, op: str, local, remote) -> float:
     start = time.perf_counter()
     agent.transfer(handle)
     while (state := agent.check_xfer_state(handle)) == "PROC":
-        pass
+        if time.perf_counter() - start > TRANSFER_LIMIT_S:
+            raise RuntimeError(f"{op} still in progress after {TRANSFER_LIMIT_S:.0f} s")
     elapsed = time.perf_counter() - start
     agent.release_xfer_handle(handle)
     if state != "DONE":
@@ -119,7 +125,7 @@ def main() -> None:
                     best = max(best, moved / seconds)
                     cells.append(f"{moved / seconds / 1e9:.2f} ({len(local_descs)})")
             table.add_row(_human(moved), f"{moved / memcpy / 1e9:.2f}", *cells, f"{best * memcpy / moved:.2f}x")
-        Console().print(table)
+        Console(width=120).print(table)
     finally:
         here.send("stop")
         target.join(timeout=30)
