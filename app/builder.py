@@ -15,7 +15,7 @@ from app.ingress import OpenAIIngress
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve.Deployment:
+def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve.Deployment:
     # The replica actor sits in bundle 0 of its own placement group and takes that bundle's resources, so the
     # engine's processes (which inherit the actor's CPU/GPU assignment) stay inside the bundle.
     first_bundle = engine.placement_group_config.bundles[0]
@@ -34,8 +34,8 @@ def _engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serv
 
 
 def build_pd_app(config: PDAppConfig) -> Application:
-    prefill = _engine_deployment(PrefillServer, config.prefill).bind(config.prefill, config.transfer)
-    decode = _engine_deployment(DecodeServer, config.decode).bind(config.decode, config.transfer)
+    prefill = engine_deployment(PrefillServer, config.prefill).bind(config.prefill, config.transfer)
+    decode = engine_deployment(DecodeServer, config.decode).bind(config.decode, config.transfer)
     return OpenAIIngress.options(**config.ingress.deployment_config).bind(prefill, decode, config)
 
 

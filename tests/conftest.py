@@ -22,7 +22,7 @@ APP_NAME = "pd"
 ROLES = ("prefill", "decode")
 # Short lifetimes keep the lease and timeout tests quick; everything else is the CPU default.
 LEASE_S = 4
-PUSH_TIMEOUT_S = 3
+PUSH_TIMEOUT_S = 10  # a burst of 20 requests keeps the one prefill core busy for several seconds
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,8 @@ class RunningApp:
 
     @staticmethod
     def growth(before: dict[str, dict], after: dict[str, dict]) -> dict[str, Counter]:
-        """Per engine, how much each counter rose: prompt tokens by source and transfer counters alike."""
-        def flat(totals: dict) -> Counter:
-            return Counter({**totals["prompt_tokens_by_source"], **totals["kv_transfers"]})
-        return {role: flat(after[role]) - flat(before[role]) for role in ROLES}
+        """Per engine, how much each counter rose."""
+        return {role: counter_growth(before[role], after[role]) for role in ROLES}
 
     def loads(self) -> dict[str, dict]:
         return {role: self.engine_call(role, "load") for role in ROLES}
@@ -114,6 +112,13 @@ class RunningApp:
         return wait_until(self.loads, idle, timeout_s)
 
 
+def counter_growth(before: dict, after: dict) -> Counter:
+    """How much each counter of one engine rose: prompt tokens by source and transfer counters alike."""
+    def flat(totals: dict) -> Counter:
+        return Counter({**totals["prompt_tokens_by_source"], **totals["kv_transfers"]})
+    return flat(after) - flat(before)
+
+
 def wait_until(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: float) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -121,6 +126,13 @@ def wait_until(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: 
         if done(value) or time.monotonic() > deadline:
             return value
         time.sleep(0.05)
+
+
+def app_config(**transfer) -> dict:
+    """The CPU default config with the tests' short lifetimes, and any other transfer settings given."""
+    config = yaml.safe_load(CPU_CONFIG.read_text())
+    config["transfer"].update(lease_s=LEASE_S, push_timeout_s=PUSH_TIMEOUT_S, **transfer)
+    return config
 
 
 @pytest.fixture(scope="session")
@@ -133,12 +145,11 @@ def app(reference_outputs) -> RunningApp:
     from kv.engine_identity import free_port
 
     port = free_port("127.0.0.1")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    # Two cores, plus one logical CPU for the short-lived extra decode engine of the recompute test (it shares core 1).
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = yaml.safe_load(CPU_CONFIG.read_text())
-        config["transfer"].update(lease_s=LEASE_S, push_timeout_s=PUSH_TIMEOUT_S)
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(app_config()), name=APP_NAME, route_prefix="/")
         handles = {role: serve.get_deployment_handle(f"{role.capitalize()}Server", app_name=APP_NAME)
                    for role in ROLES}
         yield RunningApp(f"http://127.0.0.1:{port}", handles)

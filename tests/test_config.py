@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from app.builder import _engine_deployment, build_app, resolve_config_path
+from app.builder import engine_deployment, build_app, resolve_config_path
 from app.config import PDAppConfig, load_config
 from app.engine_server import DecodeServer, PrefillServer
 from kv.transfer_config import build_kv_transfer_config
@@ -33,11 +33,11 @@ def test_cpu_default_binds_each_engine_to_its_own_core():
 
 def test_cpu_engine_deployments_reserve_their_bundle():
     config = load_config(CPU)
-    prefill = _engine_deployment(PrefillServer, config.prefill)
+    prefill = engine_deployment(PrefillServer, config.prefill)
     assert prefill.name == "PrefillServer"
     assert prefill.ray_actor_options["num_cpus"] == 1 and prefill.ray_actor_options["num_gpus"] == 0
     assert prefill.ray_actor_options["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert _engine_deployment(DecodeServer, config.decode).name == "DecodeServer"
+    assert engine_deployment(DecodeServer, config.decode).name == "DecodeServer"
 
 
 def test_serve_config_points_at_the_cpu_default():
@@ -62,7 +62,7 @@ def test_gpu_preset_resolves_to_whole_nodes_and_efa(preset):
         assert bundle["GPU"] == tp == 8  # a whole 8-GPU node per engine: prefill and decode cannot share a node
         assert side.engine_kwargs["enable_prefix_caching"] is False
         assert side.cpu_cores is None
-        options = _engine_deployment(server, side).ray_actor_options
+        options = engine_deployment(server, side).ray_actor_options
         assert options["num_gpus"] == 8
     assert config.model_id == "Qwen/Qwen3-32B"
     kv_config = build_kv_transfer_config(config.transfer, "engine-x")

@@ -11,8 +11,11 @@ import httpx
 import pytest
 from vllm import SamplingParams
 
+from app.builder import engine_deployment
+from app.config import PDAppConfig
 from app.engine_protocol import EngineRequest
-from conftest import CASES, LEASE_S, PUSH_TIMEOUT_S, prompt_token_ids
+from app.engine_server import DecodeServer
+from conftest import CASES, LEASE_S, PUSH_TIMEOUT_S, app_config, counter_growth, prompt_token_ids, wait_until
 from kv.transfer_params import new_transfer_id, prefill_params, push_decode_params
 
 pytestmark = pytest.mark.engines
@@ -139,6 +142,35 @@ def test_push_registration_without_write_times_out_and_fails(app, tokenizer):
                                                   > before["decode"]["kv_transfers"].get("push_timeouts", 0)))
     assert grew["decode"]["push_timeouts"] == 1 and grew["decode"]["local_compute"] == 0
     assert app.wait_until_idle(IDLE_WITHIN_S)["decode"]["kv_cache_usage"] == 0
+
+
+@pytest.fixture
+def recompute_decode(app):
+    """A second decode engine beside the app's, configured to recompute the prompt when its KV does not arrive."""
+    from ray import serve
+
+    config = PDAppConfig.model_validate(app_config(on_transfer_failure="recompute"))
+    name = "decode-recompute"
+    handle = serve.run(engine_deployment(DecodeServer, config.decode).bind(config.decode, config.transfer),
+                       name=name, route_prefix=None)
+    yield handle
+    serve.delete(name)
+
+
+def test_push_registration_without_write_times_out_and_recomputes(recompute_decode, app, tokenizer,
+                                                                  reference_outputs):
+    case = CASES[1]
+    _, decode_leg = _legs(app, tokenizer, case)  # registers with the app's prefill, which never WRITEs
+    before = recompute_decode.transfer_totals.remote().result()
+    chunks = list(recompute_decode.options(stream=True).generate.remote(decode_leg))
+    assert [t for c in chunks for t in c.token_ids] == reference_outputs[case.name]["token_ids"]
+    assert chunks[-1].finish_reason == "length"
+    after = wait_until(recompute_decode.transfer_totals.remote().result,
+                       lambda t: t["kv_transfers"].get("push_timeouts", 0)
+                       > before["kv_transfers"].get("push_timeouts", 0), timeout_s=5)
+    grew = counter_growth(before, after)
+    assert grew["push_timeouts"] == 1
+    assert grew["local_compute"] == len(decode_leg.prompt_token_ids) and grew["external_kv_transfer"] == 0
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
