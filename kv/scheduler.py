@@ -5,8 +5,8 @@ Built on vLLM 0.32.0's NIXL scheduler classes (pinned exactly). One object inher
 ingress wrote into `kv_transfer_params`. What this adds on top of vLLM:
 - the transfer id travels with push registrations and finished push blocks, so the worker matches them by the id
   the ingress generated, never by request-id similarity;
-- each pending decode-side receive is tagged with its mode for the worker (metadata `transfer_modes`), and each
-  step says whether it runs any model work (metadata `idle_step`);
+- each pending decode-side receive is tagged with its mode for the worker (metadata `transfer_modes`);
+- a step with no model work pauses briefly (see `IDLE_STEP_PAUSE_S`);
 - the answer of a finished request states the mode that was really used and its transfer id.
 
 vLLM internals relied on: the per-request hooks of both classes, `_push_pending_registrations`, `_reqs_need_recv`,
@@ -15,6 +15,7 @@ vLLM internals relied on: the per-request hooks of both classes, `_push_pending_
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
@@ -22,6 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 
 from kv.transfer_params import MODE_KEY, TRANSFER_ID_KEY
+
+# A step with no model work only checks on transfers the peer engine is doing (a push receive waits for a whole
+# prefill). vLLM steps again at once, and its engine process busy-waits for each step's result on whatever core is
+# free -- the other engine's core included -- so that a push receive slowed the prefill it waited for. Pausing
+# here instead leaves the waiting to the worker, which stays on its engine's own cores. The pause bounds how late
+# a new request or a finished transfer is noticed.
+IDLE_STEP_PAUSE_S = 0.001
 
 
 def transfer_mode(params: dict[str, Any] | None) -> str:
@@ -72,6 +80,6 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         meta = super().build_connector_meta(scheduler_output)
         meta.transfer_modes = {rid: self._recv_modes.pop(rid, "pull") for rid in meta.reqs_to_recv}
         meta.push_transfer_ids = {rid: self._finished_push_ids.pop(rid) for rid in meta.push_finished_blocks}
-        # A step with no model work: the worker may then wait a moment for its peer instead of returning at once.
-        meta.idle_step = scheduler_output.total_num_scheduled_tokens == 0
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            time.sleep(IDLE_STEP_PAUSE_S)
         return meta

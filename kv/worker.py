@@ -9,7 +9,7 @@ one agent, one set of registered KV regions and one handshake table. What this c
   request or recomputes the prompt locally.
 - The engine keeps the CPU cores it was given (vLLM's worker re-pins the engine thread to the last core), and the
   agent runs without NIXL's busy-polling progress thread unless configured: the engines' own steps and the writer
-  thread drive transfers, so an idle engine burns no CPU.
+  thread drive transfers, so an idle engine burns no CPU. (Steps with no model work are paced by the scheduler.)
 - Handshakes are always full (descriptors included): a peer reached first for a push may later be read from.
 
 vLLM internals relied on: `_ensure_handshake`, `_handle_push_reg_notif`, `_pop_matching_registration`,
@@ -39,13 +39,6 @@ from kv.transfer_params import TRANSFER_ID_KEY
 logger = init_logger(__name__)
 
 DEFAULT_PUSH_TIMEOUT_S = 20.0
-# While a step has no model work and the engine only waits for its peer (a push WRITE, a pull READ of its blocks),
-# the step waits up to IDLE_STEP_WAIT_S for a notification, polling NIXL every IDLE_POLL_S, instead of returning at
-# once: vLLM's engine loop would otherwise spin a whole core for as long as the peer takes (a whole prefill, for a
-# push receive). The cap bounds how long a newly arrived request can wait for the loop.
-IDLE_STEP_WAIT_S = 0.002
-IDLE_POLL_S = 0.0002
-
 
 class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
     # Part of the NIXL compatibility hash: dual-mode engines pair only with dual-mode engines.
@@ -74,7 +67,6 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
         self._push_matcher = PushMatcher(max_wait_s=write_window(push_timeout_s))
         # Decode side, main thread only.
         self._push_deadlines = ReceiveDeadlines(timeout_s=push_timeout_s)
-        self._idle_step = False
 
     def _ensure_handshake(self, engine_id, host, port, tp_size, dcp_size=1, pp_size=1, notif_agents_only=False):
         return super()._ensure_handshake(engine_id, host, port, tp_size, dcp_size, pp_size, notif_agents_only=False)
@@ -82,7 +74,6 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
     # -- engine main thread ------------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
-        self._idle_step = getattr(metadata, "idle_step", False)
         modes = getattr(metadata, "transfer_modes", {})
         push_recvs = {rid: m for rid, m in metadata.reqs_to_recv.items() if modes.get(rid) == "push"}
         for rid, transfer_id in getattr(metadata, "push_transfer_ids", {}).items():
@@ -107,8 +98,6 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
         NixlPushConnectorWorker.start_load_kv(self, push_view)
 
     def get_transfer_results(self):
-        if self._idle_step and self._only_waiting_for_peer():
-            self._wait_for_peer()
         waiting = lambda rid: rid in self._recving_metadata and rid not in self._recving_transfers  # noqa: E731
         for rid in self._push_deadlines.expired(time.monotonic(), waiting):
             logger.warning("push receive %s got no WRITE within %.1f s", rid, self._push_deadlines.timeout_s)
@@ -118,20 +107,6 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
         for rid in results.finished_sending:
             self._push_matcher.forget(rid)
         return results
-
-    def _only_waiting_for_peer(self) -> bool:
-        """Blocks are held for, or expected from, the other engine, and none of this engine's own transfers is in
-        flight (those need this thread's prompt checks)."""
-        with self._sending_transfers_lock:
-            own_in_flight = bool(self._sending_transfers)
-        return not own_in_flight and not self._recving_transfers and bool(
-            self._recving_metadata or self._reqs_to_send or self._reqs_to_process or self._push_finished_blocks)
-
-    def _wait_for_peer(self) -> None:
-        deadline = time.monotonic() + IDLE_STEP_WAIT_S
-        while self._pending_completion_notifs.empty() and time.monotonic() < deadline:
-            self._push_writer_wake.set()  # the writer polls NIXL: notifications, and progress of the agent
-            time.sleep(IDLE_POLL_S)
 
     def _pop_done_transfers(self, transfers):
         # Prefill's WRITE handles are push transfers; decode's READ handles are pull transfers.
