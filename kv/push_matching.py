@@ -20,6 +20,9 @@ class PendingRegistration:
     registration: dict[str, Any]
     received_at: float
 
+    def too_old(self, now: float, max_wait_s: float) -> bool:
+        return now - self.received_at > max_wait_s
+
 
 # Share of decode's push timeout during which prefill may still start a WRITE: the rest is the margin for the
 # registration's trip to prefill and for the WRITE itself (milliseconds, against a timeout of seconds).
@@ -56,7 +59,7 @@ class PushMatcher:
         with self._lock:
             transfer_id = self._transfer_of.get(request_id)
             pending = self._waiting.pop(transfer_id, None) if transfer_id is not None else None
-        if pending is None or now - pending.received_at > self.max_wait_s:
+        if pending is None or pending.too_old(now, self.max_wait_s):
             return None
         return pending.registration, now - pending.received_at
 
@@ -67,7 +70,7 @@ class PushMatcher:
             request_id = self._request_of.get(transfer_id)
             if request_id is not None:
                 return request_id
-            for stale in [t for t, p in self._waiting.items() if now - p.received_at > self.max_wait_s]:
+            for stale in [t for t, p in self._waiting.items() if p.too_old(now, self.max_wait_s)]:
                 del self._waiting[stale]
             self._waiting[transfer_id] = PendingRegistration(registration, now)
             return None

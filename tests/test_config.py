@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from app.builder import engine_deployment, build_app, resolve_config_path
+from app.builder import build_app, engine_deployment, resolve_config_path
 from app.config import PDAppConfig, load_config
 from app.engine_server import DecodeServer, PrefillServer
 from kv.transfer_config import build_kv_transfer_config

@@ -165,7 +165,7 @@ def test_push_registration_without_write_times_out_and_recomputes(recompute_deco
     chunks = list(recompute_decode.options(stream=True).generate.remote(decode_leg))
     assert [t for c in chunks for t in c.token_ids] == reference_outputs[case.name]["token_ids"]
     assert chunks[-1].finish_reason == "length"
-    after = wait_until(recompute_decode.transfer_totals.remote().result,
+    after = wait_until(lambda: recompute_decode.transfer_totals.remote().result(),
                        lambda t: t["kv_transfers"].get("push_timeouts", 0)
                        > before["kv_transfers"].get("push_timeouts", 0), timeout_s=5)
     grew = counter_growth(before, after)
