@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve.Deployment:
+    """A replica takes as many requests as its engine runs at once (vLLM's `max_num_seqs`): more would only queue
+    inside the engine, where Serve can no longer send them to a replica with room."""
     # The replica actor sits in bundle 0 of its own placement group and takes that bundle's resources, so the
     # engine's processes (which inherit the actor's CPU/GPU assignment) stay inside the bundle.
     first_bundle = engine.placement_group_config.bundles[0]
@@ -25,18 +28,29 @@ def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve
         "runtime_env": engine.runtime_env,
         **engine.deployment_config.get("ray_actor_options", {}),
     }
+    options = {"max_ongoing_requests": engine.max_num_seqs, **engine.deployment_config}
+    options.pop("ray_actor_options", None)
     return serve.deployment(server).options(
-        **{k: v for k, v in engine.deployment_config.items() if k != "ray_actor_options"},
+        **options,
         ray_actor_options=actor_options,
         placement_group_bundles=engine.placement_group_config.bundles,
         placement_group_strategy=engine.placement_group_config.strategy,
     )
 
 
+def ingress_options(config: PDAppConfig) -> dict[str, Any]:
+    """Every request holds an ingress slot for its whole life, so the ingress replicas together admit as many
+    requests as the decode replicas run at once, and queue as many more; beyond that, Serve answers 503 with a
+    Retry-After header (back-pressure) instead of letting the queue grow without bound."""
+    replicas = int(config.ingress.deployment_config.get("num_replicas", 1))
+    share = math.ceil(config.decode.num_replicas * config.decode.max_num_seqs / replicas)
+    return {"max_ongoing_requests": share, "max_queued_requests": share, **config.ingress.deployment_config}
+
+
 def build_pd_app(config: PDAppConfig) -> Application:
     prefill = engine_deployment(PrefillServer, config.prefill).bind(config.prefill, config.transfer)
     decode = engine_deployment(DecodeServer, config.decode).bind(config.decode, config.transfer)
-    return OpenAIIngress.options(**config.ingress.deployment_config).bind(prefill, decode, config)
+    return OpenAIIngress.options(**ingress_options(config)).bind(prefill, decode, config)
 
 
 def resolve_config_path(path: str) -> Path:

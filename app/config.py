@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from vllm.config import SchedulerConfig
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from kv.config import StrictModel, TransferConfig
@@ -56,6 +57,11 @@ class EngineConfig(StrictModel):
     @property
     def num_replicas(self) -> int:
         return int(self.deployment_config.get("num_replicas", 1))
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests one engine runs at once."""
+        return int(self.engine_kwargs.get("max_num_seqs", SchedulerConfig.DEFAULT_MAX_NUM_SEQS))
 
     @model_validator(mode="after")
     def _one_core_set_per_replica(self) -> EngineConfig:

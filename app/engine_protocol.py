@@ -3,7 +3,7 @@ other than SamplingParams."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm import SamplingParams
@@ -18,20 +18,21 @@ class EngineRequest:
 
 
 @dataclass
-class PrefillResult:
-    """Prefill's answer in pull mode: where the prompt's KV now lives."""
-
-    kv_transfer_params: dict[str, Any] | None
-    num_prompt_tokens: int
-
-
-@dataclass
 class EngineChunk:
-    """One step of decode output: the new text and tokens since the previous chunk."""
+    """One step of output: the new text and tokens since the previous chunk."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    # Prompt tokens the decode engine did not compute itself (with prefix caching off: tokens that arrived by transfer).
+    # Prompt tokens the engine did not compute itself (with prefix caching off: tokens that arrived by transfer).
     num_cached_tokens: int = 0
+    # First chunk only: when the engine queued, scheduled and produced the request's first token (wall clock, s).
+    engine_events: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PrefillResult:
+    """Prefill's answer: where the prompt's KV now lives (pull), and the first token prefill sampled."""
+
+    kv_transfer_params: dict[str, Any] | None
+    first: EngineChunk

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import AsyncIterator, Literal
 
 import ray
@@ -83,15 +84,31 @@ class EngineServer:
             yield output
 
 
+def engine_events(output) -> dict[str, float]:
+    """When the engine queued, first scheduled and first sampled for this request, on the wall clock. vLLM stamps
+    these in its engine-core process with the monotonic clock, which every process on a node shares."""
+    stats = output.metrics
+    if stats is None:
+        return {}
+    to_wall = time.time() - time.monotonic()
+    stamps = {"queued": stats.queued_ts, "scheduled": stats.scheduled_ts, "first_token": stats.first_token_ts}
+    return {event: ts + to_wall for event, ts in stamps.items() if ts}
+
+
+def engine_chunk(output) -> EngineChunk:
+    completion = output.outputs[0]
+    return EngineChunk(text=completion.text, token_ids=list(completion.token_ids),
+                       finish_reason=completion.finish_reason, num_cached_tokens=output.num_cached_tokens or 0)
+
+
 class PrefillServer(EngineServer):
     role = "prefill"
 
     async def prefill(self, request: EngineRequest) -> AsyncIterator[dict | PrefillResult]:
         """Yield this engine's transfer identity at once (a push decode leg registers with it while prefill runs),
-        then where the prompt's KV lives once computed. The one sampled token is discarded: decode samples."""
+        then, once the prompt is computed, where its KV lives and the one token prefill sampled."""
         request.sampling_params = request.sampling_params.clone()
         request.sampling_params.max_tokens = 1
-        request.sampling_params.min_tokens = 0
         request.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
         computed = asyncio.ensure_future(self._last_output(request))  # the engine starts before the identity leaves
         try:
@@ -99,7 +116,9 @@ class PrefillServer(EngineServer):
             final = await computed
         finally:
             computed.cancel()  # the caller went away: abort the prefill (a no-op once it is done)
-        yield PrefillResult(final.kv_transfer_params, len(request.prompt_token_ids))
+        first = engine_chunk(final)
+        first.engine_events = engine_events(final)
+        yield PrefillResult(final.kv_transfer_params, first)
 
     async def _last_output(self, request: EngineRequest):
         final = None
@@ -115,12 +134,9 @@ class DecodeServer(EngineServer):
         """Stream the completion; with remote-prefill params the prompt's KV is loaded, not recomputed."""
         request.sampling_params = request.sampling_params.clone()
         request.sampling_params.output_kind = RequestOutputKind.DELTA
+        first = True
         async for output in self._run(request):
-            completion = output.outputs[0]
-            yield EngineChunk(
-                text=completion.text,
-                token_ids=list(completion.token_ids),
-                finish_reason=completion.finish_reason,
-                num_prompt_tokens=len(output.prompt_token_ids or ()),
-                num_cached_tokens=output.num_cached_tokens or 0,
-            )
+            chunk = engine_chunk(output)
+            if first:
+                chunk.engine_events, first = engine_events(output), False
+            yield chunk

@@ -10,6 +10,7 @@ from typing import AsyncIterator, TypeVar
 
 from pydantic import ValidationError
 from ray import serve
+from ray.util import metrics
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -27,11 +28,14 @@ from app.openai_protocol import (
     SamplingFields,
 )
 from app.request_flow import RequestFlow, UnsupportedMode
+from app.timeline import RequestTimeline
 from app.tiny_model import resolve_model_source
 from kv.config import TransferMode
 
 logger = logging.getLogger("ray.serve")
 MODE_HEADER = "x-kv-transfer-mode"
+# A client that sends `x-pd-timings: 1` gets the request's timeline (app/timeline.py) in the response.
+TIMINGS_HEADER = "x-pd-timings"
 Body = TypeVar("Body", bound=SamplingFields)
 
 
@@ -67,6 +71,10 @@ class OpenAIIngress:
             resolve_model_source(config.decode.model_loading_config.model_source)
         )
         self._max_model_len: int | None = None
+        self.phase_seconds = metrics.Histogram(
+            "pd_request_phase_seconds", description="Time a request spent in each phase (app/timeline.py), by mode.",
+            boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
+            tag_keys=("phase", "mode"))
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(routes=[
@@ -101,21 +109,26 @@ class OpenAIIngress:
         return JSONResponse({"status": "ok", "load": loads})
 
     async def completions(self, request: Request) -> Response:
+        timeline = RequestTimeline()
         body = await _parse(request, CompletionRequest)
         self._check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = self.tokenizer.encode(body.prompt)
+            prompt_ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)  # off the event loop
         else:
             prompt_ids = self._checked_token_ids(body.prompt)
-        return await self._respond(request, body, prompt_ids, f"cmpl-{uuid.uuid4().hex}", chat=False)
+        return await self._respond(request, body, prompt_ids, f"cmpl-{uuid.uuid4().hex}", False, timeline)
 
     async def chat_completions(self, request: Request) -> Response:
+        timeline = RequestTimeline()
         body = await _parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt_ids = await asyncio.to_thread(self._chat_prompt, messages)  # off the event loop
+        return await self._respond(request, body, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", True, timeline)
+
+    def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return await self._respond(request, body, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", chat=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- shared ----------------------------------------------------------------------------------------------------
 
@@ -152,42 +165,38 @@ class OpenAIIngress:
             raise APIError(400, str(e), param=MODE_HEADER) from e
 
     async def _respond(self, http_request: Request, body: SamplingFields, prompt_ids: list[int], request_id: str,
-                       chat: bool) -> Response:
+                       chat: bool, timeline: RequestTimeline) -> Response:
         mode = self._mode(http_request)
         max_tokens = await self._checked_max_tokens(body, len(prompt_ids))
         engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens))
         writer = ResponseWriter(request_id, self.model_id, chat, body.return_token_ids)
-        chunks = self.flow.stream(engine_request, mode)
+        output = RequestOutput(len(prompt_ids), timeline, mode, self.phase_seconds,
+                               http_request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true"))
+        chunks = self.flow.stream(engine_request, mode, timeline)
         headers = {MODE_HEADER: mode}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse_stream(chunks, writer, include_usage), media_type="text/event-stream",
-                                     headers=headers)
+            return StreamingResponse(self._sse_stream(chunks, writer, output, include_usage),
+                                     media_type="text/event-stream", headers=headers)
         try:
             async with asyncio.timeout(self.timeout_s):
-                text, token_ids, finish_reason, cached = "", [], None, 0
                 async for chunk in chunks:
-                    text += chunk.text
-                    token_ids += chunk.token_ids
-                    finish_reason = chunk.finish_reason or finish_reason
-                    cached = chunk.num_cached_tokens or cached
+                    output.add(chunk)
         except TimeoutError as e:
             raise APIError(504, f"request did not finish within {self.timeout_s} s", "timeout_error") from e
         except Exception as e:
             logger.exception("request %s failed", request_id)
             raise APIError(500, f"request failed: {e}", "server_error") from e
-        result = writer.whole(text, token_ids, finish_reason, len(prompt_ids))
-        result["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
-        return JSONResponse(result, headers=headers)
+        result = writer.whole(output.text, output.token_ids, output.finish_reason, output.num_prompt_tokens,
+                              output.num_cached_tokens)
+        return JSONResponse({**result, **output.timings()}, headers=headers)
 
-    async def _sse_stream(self, chunks: AsyncIterator[EngineChunk], writer: ResponseWriter,
+    async def _sse_stream(self, chunks: AsyncIterator[EngineChunk], writer: ResponseWriter, output: RequestOutput,
                           include_usage: bool) -> AsyncIterator[str]:
-        completion_tokens, prompt_tokens = 0, 0
         try:
             async with asyncio.timeout(self.timeout_s):
                 async for chunk in chunks:
-                    completion_tokens += len(chunk.token_ids)
-                    prompt_tokens = chunk.num_prompt_tokens or prompt_tokens
+                    output.add(chunk)
                     yield _sse(writer.chunk(chunk))
         except Exception as e:  # the status line is already sent: report the failure in the stream itself
             logger.exception("stream %s failed", writer.request_id)
@@ -195,6 +204,32 @@ class OpenAIIngress:
             yield _sse(APIError(500, f"request failed: {e!r}", kind).body())
         else:
             if include_usage:
-                yield _sse(writer.usage_chunk(prompt_tokens, completion_tokens))
+                yield _sse(writer.usage_chunk(output.num_prompt_tokens, len(output.token_ids),
+                                                   output.num_cached_tokens))
+            if timings := output.timings():
+                yield _sse({"id": writer.request_id, "object": "pd.timings", **timings})
         yield "data: [DONE]\n\n"
 
+
+class RequestOutput:
+    """What one request has produced so far, and the stamps of its first tokens going out."""
+
+    def __init__(self, num_prompt_tokens: int, timeline: RequestTimeline, mode: TransferMode, phase_seconds,
+                 report_timings: bool):
+        self.num_prompt_tokens, self.timeline, self.mode = num_prompt_tokens, timeline, mode
+        self.phase_seconds, self.report_timings = phase_seconds, report_timings
+        self.text, self.token_ids, self.finish_reason, self.num_cached_tokens = "", [], None, 0
+
+    def add(self, chunk: EngineChunk) -> None:
+        if chunk.token_ids:
+            self.timeline.mark("second_token_sent" if self.token_ids else "first_token_sent")
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        if chunk.finish_reason is not None:
+            for phase, seconds in self.timeline.phases().items():
+                self.phase_seconds.observe(seconds, tags={"phase": phase, "mode": self.mode})
+
+    def timings(self) -> dict:
+        return {"pd_timings": self.timeline.report()} if self.report_timings else {}

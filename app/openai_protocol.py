@@ -117,9 +117,10 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class ResponseWriter:
@@ -147,14 +148,15 @@ class ResponseWriter:
         object_ = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(object_, self._choice(chunk.text, chunk.token_ids, chunk.finish_reason, True))
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", {})
         body["choices"] = []
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
-    def whole(self, text: str, token_ids: list[int], finish_reason: str | None, prompt_tokens: int) -> dict[str, Any]:
+    def whole(self, text: str, token_ids: list[int], finish_reason: str | None, prompt_tokens: int,
+              cached_tokens: int) -> dict[str, Any]:
         object_ = "chat.completion" if self.chat else "text_completion"
         body = self._envelope(object_, self._choice(text, token_ids, finish_reason, False))
-        body["usage"] = usage(prompt_tokens, len(token_ids))
+        body["usage"] = usage(prompt_tokens, len(token_ids), cached_tokens)
         return body

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.engine_protocol import EngineChunk, EngineRequest, PrefillResult
+from app.first_token import after_seed, can_seed, prefill_sampling
+from app.timeline import RequestTimeline
 from kv.config import TransferConfig, TransferMode
 from kv.transfer_params import new_transfer_id, prefill_params, pull_decode_params, push_decode_params
 
@@ -17,8 +20,8 @@ class UnsupportedMode(ValueError):
 
 
 class EngineFailed(RuntimeError):
-    """The decode engine ended the request with an error: its KV did not arrive (and the configured failure policy
-    is to fail), or the engine failed it otherwise."""
+    """An engine ended the request with an error: its KV did not arrive (and the configured failure policy is to
+    fail), or the engine failed it otherwise."""
 
 
 class RequestFlow:
@@ -27,6 +30,7 @@ class RequestFlow:
         self.decode = decode.options(stream=True)
         self.default_mode = transfer.default_mode
         self.modes = transfer.modes
+        self.seed_first_token = transfer.seed_first_token
 
     def choose_mode(self, requested: str | None) -> TransferMode:
         if requested is None:
@@ -35,60 +39,121 @@ class RequestFlow:
             raise UnsupportedMode(f"transfer mode {requested!r} is not served here; choose one of {list(self.modes)}")
         return requested
 
-    def stream(self, request: EngineRequest, mode: TransferMode) -> AsyncIterator[EngineChunk]:
-        if mode == "push":
-            return self._push(request)
-        if mode == "pull":
-            return self._pull(request)
-        return self._decode(request)
+    def stream(self, request: EngineRequest, mode: TransferMode, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
+        if mode == "local":
+            return self._decode(self._dispatch_decode(request, timeline), timeline)
+        seeded = self.seed_first_token and can_seed(request.sampling_params, mode)
+        if seeded and request.sampling_params.max_tokens == 1:
+            return self._prefill_only(request, timeline)  # the first token is the whole answer: nothing to hand off
+        return (self._push if mode == "push" else self._pull)(request, seeded, timeline)
 
-    async def _decode(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        stream = self.decode.generate.remote(request)
+    # -- legs ------------------------------------------------------------------------------------------------------
+
+    def _dispatch_decode(self, request: EngineRequest, timeline: RequestTimeline) -> DeploymentResponseGenerator:
+        timeline.dispatched("decode")
+        return self.decode.generate.remote(request)
+
+    async def _decode(self, stream: DeploymentResponseGenerator, timeline: RequestTimeline,
+                      drop_first: EngineChunk | None = None) -> AsyncIterator[EngineChunk]:
+        """Decode's chunks. `drop_first`: the first token was already sent (push, seeded) and decode samples it
+        again; its copy must be the same token, and is left out."""
         try:
             async for chunk in stream:
                 if chunk.finish_reason == "error":
-                    raise EngineFailed(f"decode failed request {request.request_id} (e.g. its KV transfer failed)")
+                    raise EngineFailed("decode failed the request (e.g. its KV transfer failed)")
+                if chunk.engine_events:
+                    timeline.add_engine("decode", chunk.engine_events)
+                    timeline.mark("decode_answer")
+                if drop_first is not None and chunk.token_ids:
+                    if chunk.token_ids[0] != drop_first.token_ids[0]:
+                        raise EngineFailed("decode's first token differs from the one prefill sent")
+                    chunk = replace(chunk, token_ids=chunk.token_ids[1:],
+                                    text=chunk.text.removeprefix(drop_first.text))
+                    drop_first = None
+                    if not chunk.token_ids and chunk.finish_reason is None:
+                        continue
                 yield chunk
         finally:
             stream.cancel()  # a no-op once finished; otherwise (client gone) decode aborts and frees its blocks
 
-    def _prefill_leg(self, request: EngineRequest, mode: TransferMode, transfer_id: str) -> DeploymentResponseGenerator:
-        leg = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling_params,
-                            prefill_params(mode, transfer_id))
+    def _dispatch_prefill(self, request: EngineRequest, mode: TransferMode | None, seeded: bool,
+                          timeline: RequestTimeline, transfer_id: str) -> DeploymentResponseGenerator:
+        leg = EngineRequest(request.request_id, request.prompt_token_ids,
+                            prefill_sampling(request.sampling_params, seeded),
+                            prefill_params(mode, transfer_id) if mode else None)
+        timeline.dispatched("prefill")
         return self.prefill.prefill.remote(leg)
 
-    async def _pull(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """Prefill first; the decode replica is chosen only once prefill is done (late binding), then it READs."""
-        prefill = self._prefill_leg(request, "pull", new_transfer_id())
-        try:
-            result: PrefillResult = [item async for item in prefill][-1]
-        finally:
-            prefill.cancel()
-        decode_leg = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling_params,
-                                   pull_decode_params(result.kv_transfer_params))
-        async for chunk in self._decode(decode_leg):
-            yield chunk
-
-    async def _push(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """Both legs at once: as soon as the prefill replica is known, decode allocates blocks and registers them
-        with it under a fresh transfer id, while prefill computes; prefill WRITEs the KV the moment it finishes."""
-        transfer_id = new_transfer_id()
-        prefill = self._prefill_leg(request, "push", transfer_id)
-        finish_prefill = None
-        try:
-            prefill_identity = await prefill.__anext__()
-            finish_prefill = asyncio.ensure_future(self._drain(prefill))
-            decode_leg = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling_params,
-                                       push_decode_params(transfer_id, prefill_identity))
-            async for chunk in self._decode(decode_leg):
-                yield chunk
-            await finish_prefill  # surfaces a prefill failure even if decode recovered by recomputing
-        finally:
-            prefill.cancel()
-            if finish_prefill is not None:
-                finish_prefill.cancel()
+    @staticmethod
+    async def _prefill_result(stream: DeploymentResponseGenerator, timeline: RequestTimeline) -> PrefillResult:
+        result = None
+        async for result in stream:
+            pass
+        timeline.add_engine("prefill", result.first.engine_events)
+        timeline.mark("prefill_answer")
+        return result
 
     @staticmethod
-    async def _drain(stream: DeploymentResponseGenerator) -> None:
-        async for _ in stream:
-            pass
+    def _seed(request: EngineRequest, result: PrefillResult) -> EngineChunk | None:
+        """The first token as the client's first chunk, or None if the request goes on without it (unseeded).
+        The chunk keeps prefill's finish reason only if that token ends the request."""
+        first = result.first
+        ends = first.finish_reason == "stop" or request.sampling_params.max_tokens == 1
+        return replace(first, finish_reason=first.finish_reason if ends else None, engine_events={})
+
+    # -- flows -----------------------------------------------------------------------------------------------------
+
+    async def _prefill_only(self, request: EngineRequest, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
+        stream = self._dispatch_prefill(request, None, True, timeline, new_transfer_id())
+        try:
+            yield self._seed(request, await self._prefill_result(stream, timeline))
+        finally:
+            stream.cancel()
+
+    async def _pull(self, request: EngineRequest, seeded: bool, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
+        """Prefill first; the decode replica is chosen only once prefill is done (late binding), then it READs.
+        Seeded: the first token goes out as soon as prefill answers, and decode's prompt ends with it."""
+        prefill = self._dispatch_prefill(request, "pull", seeded, timeline, new_transfer_id())
+        try:
+            result = await self._prefill_result(prefill, timeline)
+        finally:
+            prefill.cancel()
+        location = pull_decode_params(result.kv_transfer_params)
+        decode_leg = replace(request, kv_transfer_params=location)
+        if seeded:
+            first = self._seed(request, result)
+            yield first
+            if first.finish_reason is not None:
+                return  # prefill's lease frees the KV no decode will take
+            decode_leg = replace(decode_leg, prompt_token_ids=request.prompt_token_ids + first.token_ids,
+                                 sampling_params=after_seed(request.sampling_params))
+        async for chunk in self._decode(self._dispatch_decode(decode_leg, timeline), timeline):
+            yield chunk
+
+    async def _push(self, request: EngineRequest, seeded: bool, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
+        """Both legs at once: as soon as the prefill replica is known, decode allocates blocks and registers them
+        with it under a fresh transfer id, while prefill computes; prefill WRITEs the KV the moment it finishes.
+        Seeded: prefill's token goes out as soon as prefill answers, and decode's copy of it is dropped."""
+        transfer_id = new_transfer_id()
+        prefill = self._dispatch_prefill(request, "push", seeded, timeline, transfer_id)
+        prefill_result, decode = None, None
+        try:
+            identity = await prefill.__anext__()
+            prefill_result = asyncio.ensure_future(self._prefill_result(prefill, timeline))
+            decode = self._dispatch_decode(replace(request, kv_transfer_params=push_decode_params(
+                transfer_id, identity, len(request.prompt_token_ids))), timeline)
+            first = None
+            if seeded:
+                first = self._seed(request, await prefill_result)
+                yield first
+                if first.finish_reason is not None:
+                    return
+            async for chunk in self._decode(decode, timeline, drop_first=first):
+                yield chunk
+            await prefill_result  # surfaces a prefill failure even if decode recovered by recomputing
+        finally:
+            prefill.cancel()
+            if decode is not None:
+                decode.cancel()
+            if prefill_result is not None:
+                prefill_result.cancel()

@@ -1,4 +1,4 @@
-"""The built-in tiny model: a small Qwen3 with seeded weights and a locally trained BPE tokenizer.
+"""The built-in models: small Qwen3s with seeded weights and a locally trained BPE tokenizer.
 
 No model hub is reachable from our CI machines, so the default configuration points at a model the project
 builds itself. Every input (corpus, seed, architecture) is fixed, so every machine builds the same bytes; the
@@ -17,8 +17,9 @@ from pathlib import Path
 
 BUILTIN_SCHEME = "builtin://"
 TINY_MODEL_NAME = "tiny-qwen3"
+KV_HEAVY_MODEL_NAME = "kv-heavy-qwen3"
 
-ARCHITECTURE = {
+TINY_ARCHITECTURE = {
     "vocab_size": 4096,
     "hidden_size": 256,
     "intermediate_size": 768,
@@ -31,6 +32,19 @@ ARCHITECTURE = {
     # Wider than the usual 0.02 so that logits are peaked: greedy choices then do not hinge on rounding noise.
     "initializer_range": 0.08,
 }
+# KV-heavy: far more KV per token for its compute, so that the KV hand-off weighs on TTFT here about as much as it
+# does for Qwen3-32B on GPUs. KV per prompt token is 2 (K, V) x layers x KV heads x head_dim x 4 bytes (float32):
+# 32 KiB, 8x the tiny model's 4 KiB, for about twice its prefill time. Full multi-head attention (as many KV heads
+# as query heads) and a narrow MLP put most of the compute into producing K and V. README's results section says
+# which ratio this reaches, measured.
+KV_HEAVY_ARCHITECTURE = {
+    **TINY_ARCHITECTURE,
+    "intermediate_size": 256,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 64,
+}
+ARCHITECTURES = {TINY_MODEL_NAME: TINY_ARCHITECTURE, KV_HEAVY_MODEL_NAME: KV_HEAVY_ARCHITECTURE}
 SEED = 20261202
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -46,8 +60,8 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("PD_SERVE_CACHE", Path.home() / ".cache" / "pd-serve"))
 
 
-def recipe_digest() -> str:
-    recipe = {"arch": ARCHITECTURE, "seed": SEED, "special": SPECIAL_TOKENS, "chat": CHAT_TEMPLATE, "v": RECIPE_VERSION}
+def recipe_digest(name: str = TINY_MODEL_NAME) -> str:
+    recipe = {"arch": ARCHITECTURES[name], "seed": SEED, "special": SPECIAL_TOKENS, "chat": CHAT_TEMPLATE, "v": RECIPE_VERSION}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -72,7 +86,7 @@ def _build_tokenizer(out_dir: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=ARCHITECTURE["vocab_size"],
+        vocab_size=TINY_ARCHITECTURE["vocab_size"],
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -88,13 +102,13 @@ def _build_tokenizer(out_dir: Path) -> None:
     fast.save_pretrained(out_dir)
 
 
-def _build_weights(out_dir: Path) -> None:
+def _build_weights(out_dir: Path, architecture: dict) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(out_dir)
     config = Qwen3Config(
-        **ARCHITECTURE,
+        **architecture,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
@@ -105,16 +119,17 @@ def _build_weights(out_dir: Path) -> None:
     model.save_pretrained(out_dir)
 
 
-def build_tiny_model(cache_dir: Path | None = None) -> Path:
-    """Return the directory of the tiny model, building it once into the cache. Safe against concurrent builders."""
-    target = (cache_dir or default_cache_dir()) / f"{TINY_MODEL_NAME}-{recipe_digest()}"
+def build_tiny_model(cache_dir: Path | None = None, name: str = TINY_MODEL_NAME) -> Path:
+    """Return the directory of built-in model `name`, building it once into the cache. Safe against concurrent
+    builders."""
+    target = (cache_dir or default_cache_dir()) / f"{name}-{recipe_digest(name)}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         _build_tokenizer(staging)
-        _build_weights(staging)
+        _build_weights(staging, ARCHITECTURES[name])
         try:
             staging.rename(target)  # atomic: a concurrent builder either wins or finds the finished model
         except OSError:
@@ -130,10 +145,11 @@ def resolve_model_source(source: str) -> str:
     if not source.startswith(BUILTIN_SCHEME):
         return source
     name = source[len(BUILTIN_SCHEME):]
-    if name != TINY_MODEL_NAME:
-        raise ValueError(f"unknown built-in model {name!r}; the only one is {TINY_MODEL_NAME!r}")
-    return str(build_tiny_model())
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unknown built-in model {name!r}; the built-in ones are {list(ARCHITECTURES)}")
+    return str(build_tiny_model(name=name))
 
 
 if __name__ == "__main__":
-    print(build_tiny_model())
+    for model in ARCHITECTURES:
+        print(build_tiny_model(name=model))

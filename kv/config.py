@@ -40,6 +40,11 @@ class TransferConfig(StrictModel):
     lease_s: int = Field(
         default=30, gt=0, description="How long prefill keeps the KV of a finished request for a decode to take."
     )
+    seed_first_token: bool = Field(
+        default=True,
+        description="Stream the token prefill samples at once and let decode continue from the second token, so "
+        "the KV hand-off is off the path to the first token (see app/first_token.py for which requests qualify).",
+    )
     on_transfer_failure: Literal["fail", "recompute"] = Field(
         default="fail", description="When KV does not arrive: fail the request, or let decode compute the prompt."
     )

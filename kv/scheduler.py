@@ -51,7 +51,14 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
             else NixlPullConnectorScheduler
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        return self._mode_class(request).get_num_new_matched_tokens(self, request, num_computed_tokens)
+        count, load_async = self._mode_class(request).get_num_new_matched_tokens(self, request, num_computed_tokens)
+        # A decode prompt may run past what prefill computed: with the first token seeded by prefill, decode's
+        # prompt ends with that token, whose KV no one has. Load only prefill's tokens (so both sides hold the same
+        # blocks); decode computes the rest itself.
+        computed_by_prefill = (request.kv_transfer_params or {}).get("remote_num_tokens")
+        if load_async and computed_by_prefill:
+            count = min(count, computed_by_prefill - num_computed_tokens)
+        return count, load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._mode_class(request).update_state_after_alloc(self, request, blocks, num_external_tokens)

@@ -44,9 +44,10 @@ def pull_decode_params(prefill_answer: dict[str, Any] | None) -> dict[str, Any]:
             TRANSFER_ID_KEY: prefill_answer.get(TRANSFER_ID_KEY)}
 
 
-def push_decode_params(transfer_id: str, prefill_identity: dict[str, Any]) -> dict[str, Any]:
-    """Decode allocates the prompt's blocks and registers them, under `transfer_id`, with the prefill engine
-    described by `prefill_identity`, which WRITEs into them when its prefill ends."""
+def push_decode_params(transfer_id: str, prefill_identity: dict[str, Any], num_prompt_tokens: int) -> dict[str, Any]:
+    """Decode allocates the blocks of the `num_prompt_tokens` prefill computes and registers them, under
+    `transfer_id`, with the prefill engine described by `prefill_identity`, which WRITEs into them when its
+    prefill ends."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -60,4 +61,5 @@ def push_decode_params(transfer_id: str, prefill_identity: dict[str, Any]) -> di
         # Decode never learns prefill's internal request id in push; the transfer id stands in for it.
         "remote_request_id": transfer_id,
         "remote_block_ids": (),
+        "remote_num_tokens": num_prompt_tokens,
     }

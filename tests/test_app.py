@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import subprocess
+import sys
+import threading
+import time
 
 import httpx
 import openai
 import pytest
 
-from conftest import CASES, Case
+from conftest import CASES, ROOT, Case
 
 pytestmark = pytest.mark.engines
 MODEL = "tiny-qwen3"
@@ -39,14 +44,20 @@ def _stream_text(base_url: str, path: str, body: dict) -> str:
     return text
 
 
+# A stop string that never matches: the request's output is unchanged, but it takes the unseeded path (decode samples
+# the first token itself; see app/first_token.py).
+UNSEEDED = {"stop": ["<never-generated>"]}
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_greedy_output_equals_colocated_engine_and_kv_crossed(app, reference_outputs, case, mode):
+def test_greedy_output_equals_colocated_engine_and_kv_crossed(app, reference_outputs, case, mode, seeded):
     reference = reference_outputs[case.name]
     num_prompt_tokens = len(reference["prompt_token_ids"])
     before = app.totals()
 
-    path, body = _body(case)
+    path, body = _body(case, **({} if seeded else UNSEEDED))
     response = httpx.post(app.base_url + path, json=body, headers={"x-kv-transfer-mode": mode}, timeout=120)
     assert response.status_code == 200, response.text
     assert response.headers["x-kv-transfer-mode"] == mode
@@ -56,7 +67,7 @@ def test_greedy_output_equals_colocated_engine_and_kv_crossed(app, reference_out
     assert choice["token_ids"] == reference["token_ids"]
     assert _text_of(choice) == reference["text"]
 
-    # Decode received every prompt token by transfer and computed none of them itself ...
+    # Decode received every prompt token by transfer ...
     assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == num_prompt_tokens
     # ... by one transfer of the requested kind: push = a WRITE issued by prefill, pull = a READ issued by decode.
     issuer, bystander = ("prefill", "decode") if mode == "push" else ("decode", "prefill")
@@ -66,9 +77,77 @@ def test_greedy_output_equals_colocated_engine_and_kv_crossed(app, reference_out
     assert grew[issuer][f"{mode}_transfers"] == 1 and grew[issuer][f"{mode}_bytes"] > 0
     assert grew[bystander]["transfers"] == 0 and grew[issuer]["transfers"] == 1
     assert grew["decode"]["external_kv_transfer"] == num_prompt_tokens
-    assert grew["decode"]["local_compute"] == 0
+    # ... and computed none of the prompt itself: only, in seeded pull, the first token that prefill sampled (decode's
+    # prompt ends with it). Seeded push decode samples that token again from the prompt alone.
+    assert grew["decode"]["local_compute"] == (1 if seeded and mode == "pull" else 0)
     assert grew["prefill"]["local_compute"] == num_prompt_tokens
     assert after["decode"]["kv_transfers"].get("failed_transfers", 0) == 0
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_seeded_first_token_leaves_before_decode_answers_and_phases_are_ordered(app, mode):
+    path, body = _body(CASES[2])
+    response = httpx.post(app.base_url + path, json=body, timeout=120,
+                          headers={"x-kv-transfer-mode": mode, "x-pd-timings": "1"})
+    assert response.status_code == 200, response.text
+    events = response.json()["pd_timings"]["events_ms"]
+    at = lambda *names: [events[name] for name in names]  # noqa: E731
+    assert at("arrival", "prefill_dispatched", "prefill_queued", "prefill_scheduled", "prefill_first_token",
+              "prefill_answer", "first_token_sent") == sorted(at(
+                  "arrival", "prefill_dispatched", "prefill_queued", "prefill_scheduled", "prefill_first_token",
+                  "prefill_answer", "first_token_sent"))
+    decode_order = ["decode_dispatched", "decode_queued", "decode_scheduled", "decode_first_token", "decode_answer",
+                    "second_token_sent"]
+    assert at(*decode_order) == sorted(at(*decode_order))
+    # The first token went out before decode had produced anything: the hand-off is off the path to it.
+    assert events["first_token_sent"] < events["decode_answer"]
+    if mode == "pull":  # decode is chosen only after prefill answered (late binding) ...
+        assert events["prefill_answer"] <= events["decode_dispatched"]
+    else:  # ... push dispatches decode while prefill computes, so its registration is early
+        assert events["decode_dispatched"] < events["prefill_first_token"]
+    phases = response.json()["pd_timings"]["phases_ms"]
+    assert set(phases) >= {"ingress", "to_prefill", "prefill_compute", "prefill_return", "to_decode", "kv_wait",
+                           "decode_first_step", "ttft", "second_token_gap"}
+    assert all(ms >= 0 for ms in phases.values())
+
+
+def test_concurrent_clients_all_decode_together(app):
+    """More clients than Serve's default of 5 ongoing requests: every stream has its first token before any
+    stream ends, and the decode engine runs them all at once."""
+    clients, tokens = 16, 150
+    body = {"model": MODEL, "prompt": CASES[1].prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    first_token_at, finished_at, most_running = [], [], [0]
+    done = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", app.base_url + "/v1/completions", json=body, timeout=120,
+                          headers={"x-kv-transfer-mode": "pull"}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            while not (line := next(lines)).startswith("data: {"):
+                pass
+            first_token_at.append(time.monotonic())
+            for _ in lines:
+                pass
+        finished_at.append(time.monotonic())
+
+    def watch_decode() -> None:
+        while not done.is_set():
+            most_running[0] = max(most_running[0], app.engine_call("decode", "load")["running"])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_decode)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            list(pool.map(lambda _: stream(), range(clients)))
+    finally:
+        done.set()
+        watcher.join()
+    assert len(first_token_at) == len(finished_at) == clients
+    assert max(first_token_at) < min(finished_at)
+    assert most_running[0] == clients
 
 
 def test_long_case_spans_eight_kv_blocks(app, reference_outputs):
@@ -162,3 +241,20 @@ def test_transfer_mode_is_chosen_per_request_and_reported(app, reference_outputs
 
     unknown = httpx.post(app.base_url + path, json=body, headers={"x-kv-transfer-mode": "teleport"}, timeout=60)
     assert unknown.status_code == 400 and "teleport" in unknown.json()["error"]["message"]
+
+
+def test_vllm_bench_serve_runs_against_the_app_unchanged(app, tmp_path):
+    """vLLM's own serving benchmark drives the app as it would a vLLM server."""
+    from app.tiny_model import build_tiny_model
+
+    num_prompts = 6
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.vllm_cli", "bench", "serve", "--base-url", app.base_url,
+         "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(build_tiny_model()),
+         "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "8",
+         "--num-prompts", str(num_prompts), "--save-result", "--result-dir", str(tmp_path),
+         "--result-filename", "result.json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["completed"] == num_prompts and result["total_output_tokens"] == num_prompts * 8

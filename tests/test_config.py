@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from app.builder import build_app, engine_deployment, resolve_config_path
+from app.builder import build_app, engine_deployment, ingress_options, resolve_config_path
 from app.config import PDAppConfig, load_config
 from app.engine_server import DecodeServer, PrefillServer
 from kv.transfer_config import build_kv_transfer_config
@@ -131,3 +131,25 @@ def test_presets_run_the_dual_mode_connector_with_bounded_lifetimes(preset):
 def test_default_mode_must_be_served_by_the_connector():
     assert "not served" in _invalid(lambda c: c["transfer"].update(
         connector={"name": "NixlConnector", "module_path": None, "modes": ["pull"]}, default_mode="push"))
+
+
+def test_deployments_admit_what_their_engines_run_at_once():
+    config = load_config(CPU)
+    max_num_seqs = config.decode.engine_kwargs["max_num_seqs"]
+    assert engine_deployment(DecodeServer, config.decode).max_ongoing_requests == max_num_seqs
+    assert engine_deployment(PrefillServer, config.prefill).max_ongoing_requests == max_num_seqs
+    # The ingress holds every request for its whole life: as many as the decode replicas run, and a bounded queue
+    # beyond that (Serve answers 503 past it).
+    assert ingress_options(config) == {"max_ongoing_requests": max_num_seqs, "max_queued_requests": max_num_seqs,
+                                       "ray_actor_options": {"num_cpus": 0}}
+
+
+def test_ingress_replicas_share_the_decode_capacity_and_explicit_options_win():
+    raw = raw_cpu_config()
+    raw["decode"]["deployment_config"] = {"num_replicas": 3}  # its own dict: YAML's anchor shares prefill's
+    raw["decode"]["cpu_cores"] = ["1", "1", "1"]
+    raw["ingress"]["deployment_config"] = {"num_replicas": 2, "max_queued_requests": 7}
+    options = ingress_options(PDAppConfig.model_validate(raw))
+    assert options["max_ongoing_requests"] == 48 and options["max_queued_requests"] == 7
+    raw["decode"]["deployment_config"]["max_ongoing_requests"] = 5
+    assert engine_deployment(DecodeServer, PDAppConfig.model_validate(raw).decode).max_ongoing_requests == 5

@@ -48,16 +48,18 @@ def test_sampling_params_carry_the_request():
 
 def test_response_shapes():
     chat = ResponseWriter("id-1", "m", chat=True, return_token_ids=False)
-    whole = chat.whole("hi", [1, 2], "length", prompt_tokens=3)
+    whole = chat.whole("hi", [1, 2], "length", prompt_tokens=3, cached_tokens=3)
     assert whole["object"] == "chat.completion"
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
-    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                              "prompt_tokens_details": {"cached_tokens": 3}}
     chunk = chat.chunk(EngineChunk(text="h", token_ids=[1]))
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"]["content"] == "h"
     completion = ResponseWriter("id-2", "m", chat=False, return_token_ids=True)
-    choice = completion.whole("t", [4], "stop", 1)["choices"][0]
+    choice = completion.whole("t", [4], "stop", 1, 0)["choices"][0]
     assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == ("t", [4], "stop")
-    assert completion.usage_chunk(1, 4)["choices"] == []
+    usage_chunk = completion.usage_chunk(1, 4, 1)
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
 
 
 def test_api_error_body_has_openai_shape():

@@ -45,11 +45,12 @@ def test_a_prefill_answer_without_blocks_is_an_error(answer):
 
 
 def test_push_decode_leg_registers_with_the_chosen_prefill_engine():
-    params = push_decode_params("t-9", PREFILL_IDENTITY)
+    params = push_decode_params("t-9", PREFILL_IDENTITY, num_prompt_tokens=300)
     assert params["transfer_mode"] == "push" and params["transfer_id"] == "t-9"
     assert (params["remote_engine_id"], params["remote_host"], params["remote_port"]) == ("prefill-1", "10.1.2.3", 5601)
     assert params["tp_size"] == 8 and params["remote_block_ids"] == ()
     assert params["do_remote_prefill"] is True
+    assert params["remote_num_tokens"] == 300  # decode loads what prefill computes, nothing beyond
 
 
 def test_transfer_ids_are_unique():
