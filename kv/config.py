@@ -53,6 +53,12 @@ class TransferConfig(StrictModel):
         description="Run NIXL's progress thread (it polls without pause: a core per engine). Off, the engines' "
         "own steps drive transfers; turn it on for transports that need the passive side to progress.",
     )
+    step_spin_s: float | None = Field(
+        default=None, ge=0,
+        description="How long an engine's processes spin after a step before they sleep until the next one "
+        "(kv/step_spin.py). null keeps vLLM's 1 s, which suits engines with cores to spare; 0 frees the core at "
+        "once, for engines that share cores with other engines.",
+    )
     connector_extra_config: dict[str, Any] = Field(
         default_factory=dict, description="Extra kv_connector_extra_config entries (leases, timeouts, threads)."
     )
@@ -71,7 +77,8 @@ class TransferConfig(StrictModel):
     @field_validator("connector_extra_config")
     @classmethod
     def _backends_have_one_home(cls, extra: dict[str, Any]) -> dict[str, Any]:
-        owned = {"backends", "push_registration_timeout", "kv_lease_duration", "progress_thread"} & extra.keys()
+        owned = {"backends", "push_registration_timeout", "kv_lease_duration", "progress_thread",
+                 "step_spin_s"} & extra.keys()
         if owned:
             raise ValueError(f"{sorted(owned)} are set by the transfer section's own fields, not connector_extra_config")
         return extra

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConne
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 
+from kv.step_spin import limit_step_spin
 from kv.transfer_params import MODE_KEY, TRANSFER_ID_KEY
 
 # A step with no model work only checks on transfers the peer engine is doing (a push receive waits for a whole
@@ -38,8 +39,11 @@ def transfer_mode(params: dict[str, Any] | None) -> str:
 
 
 class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, vllm_config, *args, **kwargs):
+        super().__init__(vllm_config, *args, **kwargs)
+        spin_s = vllm_config.kv_transfer_config.kv_connector_extra_config.get("step_spin_s")
+        if spin_s is not None:  # the engine-core process waits for each step's result here
+            limit_step_spin(spin_s)
         # Decode side: mode of each request whose receive has not yet been handed to the worker.
         self._recv_modes: dict[str, str] = {}
         # Prefill side: transfer id of each finished push request whose blocks the worker has not yet been given.

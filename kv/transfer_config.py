@@ -22,5 +22,6 @@ def build_kv_transfer_config(transfer: TransferConfig, engine_id: str) -> KVTran
             "push_registration_timeout": transfer.push_timeout_s,
             "kv_lease_duration": transfer.lease_s,
             "progress_thread": transfer.progress_thread,
+            "step_spin_s": transfer.step_spin_s,
         },
     )

@@ -34,6 +34,7 @@ from vllm.logger import init_logger
 
 from kv.mode_stats import DualModeStats
 from kv.push_matching import PushMatcher, ReceiveDeadlines, write_window
+from kv.step_spin import limit_step_spin
 from kv.transfer_params import TRANSFER_ID_KEY
 
 logger = init_logger(__name__)
@@ -61,6 +62,8 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
             sync_mode=nixl_api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         ))
         self.xfer_stats = DualModeStats()
+        if extra.get("step_spin_s") is not None:  # the worker process waits for each next step here
+            limit_step_spin(float(extra["step_spin_s"]))
         push_timeout_s = float(extra.get("push_registration_timeout", DEFAULT_PUSH_TIMEOUT_S))
         # Prefill side: read and written by the writer thread, plus `request_finished` from the main thread
         # (always before the request's blocks reach the writer).

@@ -1,0 +1,373 @@
+"""The app against its peers, side by side in one run: same model, dtype, cores; prefix caching off everywhere.
+
+    python -m bench.peers [--config configs/cpu-tiny.yaml] [--lengths 128 512 1024 1900] [--repeats 10]
+                          [--concurrency 1 4 16 32] [--out bench/results] [--update-readme]
+
+Systems:
+- `vllm`: vLLM's own OpenAI server, one engine doing prefill and decode together (the colocated baseline), bound to
+  the prefill side's cores;
+- `vllm-x2`: two such servers, one per side's cores, behind a round-robin client (what these cores run instead of
+  1P1D);
+- `push`, `pull`, `local`: this app, each request in that mode;
+- `rsllm-pd`: Ray Serve LLM's `build_pd_openai_app` with vLLM's NixlConnector, engines on the same cores.
+
+Workloads: one request at a time at each prompt length (TTFT, second-token gap), then a concurrency sweep over a
+fixed mix of prompt lengths (TTFT, ITL, TPOT, throughput). At one request at a time the systems take turns request by
+request; every system's engines are frozen while another is measured (bench/systems.py says why). The app's KV
+transfer counters must show that every push and pull request moved its prompt's KV.
+
+Writes results.json, results.md and two plots into --out; --update-readme puts results.md into README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+from tqdm import tqdm
+
+from bench.load import Sample, Target, percentile, run_concurrent
+from bench.systems import HOST, ROOT, System, VllmServer, app_target, engine_processes, rsllm_pd_app, \
+    serve_replica_pids, wait_ready
+
+APP_MODES = ("push", "pull", "local")
+LENGTH_MIX = (128, 512, 1024)  # the concurrency sweep's prompt lengths, drawn uniformly
+README_START, README_END = "<!-- bench.peers results: start -->", "<!-- bench.peers results: end -->"
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 4000) for _ in range(n)]
+
+
+class Bench:
+    def __init__(self, systems: dict[str, tuple[System, Target]], output_tokens: int):
+        self.systems = systems
+        self.output_tokens = output_tokens
+        self.sent: dict[str, list[int]] = defaultdict(list)  # prompt lengths of every request each system got
+
+    async def measure(self, name: str, prompts: list[list[int]], concurrency: int) -> tuple[list[Sample], float]:
+        system, target = self.systems[name]
+        self.sent[name] += [len(p) for p in prompts]
+        system.thaw()
+        try:
+            return await run_concurrent(target, prompts, self.output_tokens, concurrency)
+        finally:
+            system.freeze()
+
+    async def latency_sweep(self, lengths: list[int], repeats: int) -> dict[str, dict[int, list[Sample]]]:
+        rng = random.Random(0)
+        names = list(self.systems)
+        samples: dict[str, dict[int, list[Sample]]] = defaultdict(lambda: defaultdict(list))
+        with tqdm(total=len(lengths) * (repeats + 1) * len(names), desc="one request at a time") as bar:
+            for n in lengths:
+                for repeat in range(repeats + 1):  # the first round warms each system up and is not kept
+                    rng.shuffle(names)  # no system always runs right after the same other one
+                    for name in names:
+                        [sample], _ = await self.measure(name, [random_prompt(rng, n)], 1)
+                        if repeat:
+                            samples[name][n].append(sample)
+                        bar.update()
+        return samples
+
+    async def concurrency_sweep(self, levels: list[int]) -> dict[str, dict[int, dict]]:
+        rng = random.Random(1)
+        results: dict[str, dict[int, dict]] = defaultdict(dict)
+        with tqdm(total=len(levels) * len(self.systems), desc="concurrency sweep") as bar:
+            for c in levels:
+                prompts = [random_prompt(rng, rng.choice(LENGTH_MIX)) for _ in range(max(2 * c, 8))]
+                for name in self.systems:
+                    samples, wall = await self.measure(name, prompts, c)
+                    results[name][c] = concurrency_stats(samples, wall)
+                    bar.update()
+        return results
+
+
+def concurrency_stats(samples: list[Sample], wall_s: float) -> dict:
+    ttfts = [s.ttft * 1e3 for s in samples]
+    itls = [gap * 1e3 for s in samples for gap in s.itls]
+    tpots = [s.tpot * 1e3 for s in samples if s.tpot is not None]
+    return {"requests": len(samples), "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+            "itl_p50": percentile(itls, 50), "itl_p99": percentile(itls, 99), "tpot_p50": percentile(tpots, 50),
+            "throughput_tok_s": sum(len(s.token_times) for s in samples) / wall_s}
+
+
+def latency_stats(samples: dict[str, dict[int, list[Sample]]]) -> dict[str, dict[int, dict]]:
+    stats = {}
+    for name, by_length in samples.items():
+        stats[name] = {}
+        for n, ss in by_length.items():
+            entry = {"ttft_p50": statistics.median(s.ttft * 1e3 for s in ss),
+                     "ttft_p99": percentile([s.ttft * 1e3 for s in ss], 99),
+                     "second_token_gap_p50": statistics.median(s.itls[0] * 1e3 for s in ss),
+                     "tpot_p50": statistics.median(s.tpot * 1e3 for s in ss)}
+            phases = defaultdict(list)
+            for s in ss:
+                for phase, ms in s.phases_ms.items():
+                    phases[phase].append(ms)
+            if phases:
+                entry["phases_p50_ms"] = {phase: statistics.median(v) for phase, v in phases.items()}
+            stats[name][n] = entry
+    return stats
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def markdown(results: dict) -> str:
+    lat, conc = results["latency"], results["concurrency"]
+    names = [n for n in ("vllm", "vllm-x2", "push", "pull", "local", "rsllm-pd") if n in lat]
+    lines = [f"Machine: {results['machine']}. Model `{results['model']}`, {results['dtype']}, prefix caching off, "
+             f"{results['output_tokens']} output tokens per request, greedy. Run {results['date']} with:",
+             "", "```", results["command"], "```", "",
+             f"**TTFT p50 (ms), one request at a time** ({results['repeats']} per cell, systems in turn):", ""]
+    peers = [p for p in ("vllm", "rsllm-pd") if p in lat]
+    header = ["prompt tokens", *names] + [f"{m} / {p}" for p in peers for m in ("push", "pull", "local") if m in lat]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for n in results["lengths"]:
+        cell = {name: lat[name][str(n)]["ttft_p50"] for name in names}
+        row = [str(n), *(f"{cell[name]:.0f}" for name in names)]
+        row += [ratio(cell[m], cell[p]) for p in peers for m in ("push", "pull", "local") if m in lat]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "**Gap between first and second token p50 (ms), one request at a time:**", "",
+              "| prompt tokens | " + " | ".join(names) + " | push / vllm TPOT | pull / vllm TPOT |",
+              "|" + "---|" * (len(names) + 3)]
+    for n in results["lengths"]:
+        gap = {name: lat[name][str(n)]["second_token_gap_p50"] for name in names}
+        tpot = lat["vllm"][str(n)]["tpot_p50"]
+        lines.append(f"| {n} | " + " | ".join(f"{gap[name]:.1f}" for name in names)
+                     + f" | {ratio(gap.get('push'), tpot)} | {ratio(gap.get('pull'), tpot)} |")
+    phased = [m for m in ("push", "pull", "local") if m in lat and "phases_p50_ms" in lat[m][str(results["lengths"][0])]]
+    if phased:
+        lines += ["", "**Where the app's TTFT goes: median ms per phase** (app/timeline.py; TTFT here is the "
+                  "ingress's own stamp, without the HTTP proxy):", ""]
+        phases = list(lat[phased[0]][str(results["lengths"][0])]["phases_p50_ms"])
+        for m in phased[1:]:
+            phases += [p for p in lat[m][str(results["lengths"][0])]["phases_p50_ms"] if p not in phases]
+        lines += ["| mode | prompt tokens | " + " | ".join(phases) + " |", "|" + "---|" * (len(phases) + 2)]
+        for m in phased:
+            for n in results["lengths"]:
+                got = lat[m][str(n)]["phases_p50_ms"]
+                lines.append(f"| {m} | {n} | " + " | ".join(f"{got[p]:.1f}" if p in got else "" for p in phases) + " |")
+    lines += ["", f"**Concurrency sweep** (prompt lengths drawn from {list(LENGTH_MIX)}, "
+              f"2 x concurrency requests, at least 8): p50 / p99 in ms, throughput in output tokens/s", "",
+              "| concurrency | system | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | tok/s |",
+              "|---|---|---|---|---|---|---|---|"]
+    for c in results["concurrency_levels"]:
+        for name in names:
+            s = conc[name][str(c)]
+            lines.append(f"| {c} | {name} | {s['ttft_p50']:.0f} | {s['ttft_p99']:.0f} | {s['itl_p50']:.1f} | "
+                         f"{s['itl_p99']:.1f} | {s['tpot_p50']:.1f} | {s['throughput_tok_s']:.0f} |")
+    lines += ["", "Ratios at each concurrency: 1P1D pull against two plain engines (`vllm-x2`) and against "
+              "Ray Serve LLM PD:", "", "| concurrency | ITL p99 pull / vllm-x2 | tok/s pull / vllm-x2 | "
+              "TTFT p50 pull / rsllm-pd |", "|---|---|---|---|"]
+    for c in results["concurrency_levels"]:
+        pull, x2, rs = (conc.get(n, {}).get(str(c)) for n in ("pull", "vllm-x2", "rsllm-pd"))
+        lines.append(f"| {c} | {ratio(pull and pull['itl_p99'], x2 and x2['itl_p99'])} | "
+                     f"{ratio(pull and pull['throughput_tok_s'], x2 and x2['throughput_tok_s'])} | "
+                     f"{ratio(pull and pull['ttft_p50'], rs and rs['ttft_p50'])} |")
+    kv = results["kv_check"]
+    lines += ["", f"KV check (the app's engine counters over the whole run): {kv['summary']}", "",
+              handoff_weight(results), "",
+              "![TTFT vs prompt length](ttft_vs_length.png)", "![TTFT and ITL vs concurrency](concurrency.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lat, conc = results["latency"], results["concurrency"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, by_length in lat.items():
+        ax.plot(results["lengths"], [by_length[str(n)]["ttft_p50"] for n in results["lengths"]], marker="o",
+                label=name)
+    ax.set(xlabel="prompt tokens", ylabel="TTFT p50 (ms)", title="TTFT, one request at a time")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft_vs_length.png", dpi=110)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for name, by_c in conc.items():
+        levels = results["concurrency_levels"]
+        left.plot(levels, [by_c[str(c)]["ttft_p50"] for c in levels], marker="o", label=name)
+        right.plot(levels, [by_c[str(c)]["itl_p99"] for c in levels], marker="o", label=name)
+    left.set(xlabel="concurrent requests", ylabel="TTFT p50 (ms)", xscale="log", title="TTFT")
+    right.set(xlabel="concurrent requests", ylabel="ITL p99 (ms)", xscale="log", title="inter-token latency p99")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(out / "concurrency.png", dpi=110)
+
+
+def kv_check(before: dict, after: dict, requests: dict[str, list[int]]) -> dict:
+    """Did every disaggregated request move its prompt's KV? From the engines' own counters."""
+    def grew(role: str, key: str, group: str) -> int:
+        return after[role][group].get(key, 0) - before[role][group].get(key, 0)
+
+    expected_tokens = sum(sum(requests[m]) for m in ("push", "pull"))
+    got = {"push_writes": grew("prefill", "push_transfers", "kv_transfers"),
+           "pull_reads": grew("decode", "pull_transfers", "kv_transfers"),
+           "decode_tokens_by_transfer": grew("decode", "external_kv_transfer", "prompt_tokens_by_source"),
+           "failed_transfers": grew("decode", "failed_transfers", "kv_transfers")
+           + grew("prefill", "failed_transfers", "kv_transfers")}
+    want = {"push_writes": len(requests["push"]), "pull_reads": len(requests["pull"]),
+            "decode_tokens_by_transfer": expected_tokens, "failed_transfers": 0}
+    ok = got == want
+    summary = (f"{'every' if ok else 'NOT every'} push and pull request moved its KV: "
+               + ", ".join(f"{k} {got[k]} (expected {want[k]})" for k in want))
+    moved = {mode: (grew(role, f"{mode}_bytes", "kv_transfers"), grew(role, f"{mode}_transfer_seconds", "kv_transfers"))
+             for mode, role in (("push", "prefill"), ("pull", "decode"))}
+    rates = {mode: nbytes / seconds / 1e9 for mode, (nbytes, seconds) in moved.items() if seconds}
+    bytes_per_token = sum(nbytes for nbytes, _ in moved.values()) / max(got["decode_tokens_by_transfer"], 1)
+    return {"ok": ok, "got": got, "expected": want, "summary": summary, "kv_bytes_per_token": bytes_per_token,
+            "transfer_gb_s": rates}
+
+
+def handoff_weight(results: dict) -> str:
+    """How much the KV hand-off weighs against prefill: the time to move one prompt token's KV at the rate NIXL
+    reached, over the time to prefill one prompt token (plain vLLM at the longest prompt)."""
+    kv, n = results["kv_check"], max(results["lengths"])
+    if not kv["transfer_gb_s"] or "vllm" not in results["latency"]:
+        return ""
+    rate = statistics.mean(kv["transfer_gb_s"].values()) * 1e9
+    prefill_s_per_token = results["latency"]["vllm"][str(n)]["ttft_p50"] / 1e3 / n
+    return (f"KV hand-off weight: {kv['kv_bytes_per_token'] / 1024:.1f} KiB of KV per prompt token, moved at "
+            + ", ".join(f"{mode} {gbs:.2f} GB/s" for mode, gbs in kv["transfer_gb_s"].items())
+            + f"; prefill takes {prefill_s_per_token * 1e6:.0f} us per token at {n} tokens; moving a token's KV "
+            f"takes {kv['kv_bytes_per_token'] / rate / prefill_s_per_token:.2%} of the time to prefill it.")
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+
+
+def update_readme(markdown_text: str, out: Path) -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start, end = text.index(README_START) + len(README_START), text.index(README_END)
+    relative = out.resolve().relative_to(ROOT)
+    body = markdown_text.replace("](ttft_vs_length.png)", f"]({relative}/ttft_vs_length.png)") \
+        .replace("](concurrency.png)", f"]({relative}/concurrency.png)")
+    readme.write_text(text[:start] + "\n" + body + text[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/cpu-tiny.yaml")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 1900])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--no-rsllm", action="store_true", help="leave Ray Serve LLM PD out")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--update-readme", action="store_true")
+    args = parser.parse_args()
+    # Stopped by a signal, still tear down what was started (the `finally` below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped"))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+
+    import ray
+    from ray import serve
+
+    from app.builder import build_pd_app, resolve_config_path
+    from app.config import load_config
+    from kv.engine_identity import free_port
+
+    config = load_config(resolve_config_path(args.config))
+    console = Console()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-peers-"))
+    console.print(f"logs of the plain vLLM servers: {log_dir}")
+    plain = [VllmServer(config.prefill, config.prefill.cpu_cores[0], log_dir),
+             VllmServer(config.decode, config.decode.cpu_cores[0], log_dir)]
+    # Logical CPUs for both apps' engine bundles; the cores they run on are set by core binding.
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    systems: dict[str, tuple[System, Target]] = {}
+    try:
+        port = free_port(HOST)
+        serve.start(http_options={"host": HOST, "port": port})
+        base = f"http://{HOST}:{port}"
+        model = config.model_id
+        # One system after the other, each frozen once up: an idle engine with vLLM's NIXL progress thread spins
+        # on a core and would starve the others' start-up.
+        with console.status("starting two vLLM servers, the app and Ray Serve LLM PD (minutes on first use)"):
+            for server in plain:
+                wait_ready(server.url)
+            systems["vllm"] = (System("vllm", plain[0].engines()), Target([plain[0].url], model))
+            systems["vllm-x2"] = (System("vllm-x2", plain[0].engines() + plain[1].engines()),
+                                  Target([plain[0].url, plain[1].url], model))
+            systems["vllm-x2"][0].freeze()
+            serve.run(build_pd_app(config), name="pd", route_prefix="/pd")
+            handles = {role: serve.get_deployment_handle(f"{role.capitalize()}Server", app_name="pd")
+                       for role in ("prefill", "decode")}
+            app = System("app", [p for h in handles.values()
+                                 for p in engine_processes(h.engine_info.remote().result()["pid"])])
+            app.freeze()
+            for mode in APP_MODES:
+                systems[mode] = (app, Target([base + "/pd"], model, {"x-kv-transfer-mode": mode, "x-pd-timings": "1"}))
+            if not args.no_rsllm:
+                serve.run(rsllm_pd_app(config), name="rsllm", route_prefix="/rsllm")
+                rsllm = System("rsllm-pd", [p for pid in serve_replica_pids("rsllm")
+                                            for p in engine_processes(pid)])
+                rsllm.freeze()
+                systems["rsllm-pd"] = (rsllm, app_target(base + "/rsllm", model))
+
+        totals = lambda: {role: h.transfer_totals.remote().result() for role, h in handles.items()}  # noqa: E731
+        before = totals()
+        bench = Bench(systems, args.output_tokens)
+        samples = asyncio.run(bench.latency_sweep(args.lengths, args.repeats))
+        concurrency = asyncio.run(bench.concurrency_sweep(args.concurrency))
+        app.thaw()
+        time.sleep(3)  # the engines' stats loops report the last steps
+        kv = kv_check(before, totals(), bench.sent)
+    finally:
+        for system, _ in systems.values():
+            system.thaw()  # a stopped process would not see the shutdown's signals
+        for server in plain:
+            server.stop()
+        serve.shutdown()
+        ray.shutdown()
+
+    results = {"machine": machine(), "model": config.model_id, "dtype": config.decode.engine_kwargs.get("dtype"),
+               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "command": "python -m bench.peers " + " ".join(
+                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                   for k, v in vars(args).items() if k not in ("out", "update_readme", "no_rsllm")),
+               "lengths": args.lengths, "repeats": args.repeats, "concurrency_levels": args.concurrency,
+               "output_tokens": args.output_tokens, "kv_check": kv}
+    results["latency"] = json.loads(json.dumps(latency_stats(samples)))
+    results["concurrency"] = json.loads(json.dumps(concurrency))
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    text = markdown(results)
+    (args.out / "results.md").write_text(text)
+    plots(results, args.out)
+    if args.update_readme:
+        update_readme(text, args.out)
+    console.print(text)
+
+
+if __name__ == "__main__":
+    main()

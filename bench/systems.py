@@ -1,0 +1,140 @@
+"""The systems the benchmark compares, each started on the same model, dtype and cores, and frozen while another
+system is measured.
+
+vLLM's worker busy-waits on its step queue for about a second after every step, on its core. So that one system's
+leftover spinning never slows the next one, every system's engine processes are stopped (SIGSTOP) except while
+that system is being measured; their servers, replicas and Ray itself keep running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from app.config import EngineConfig, PDAppConfig
+from app.tiny_model import resolve_model_source
+from bench.load import Target
+from kv.engine_identity import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+
+
+def engine_processes(root_pid: int) -> list[psutil.Process]:
+    """The vLLM engine processes (engine core and workers) below one server or replica process."""
+    return [p for p in psutil.Process(root_pid).children(recursive=True) if p.name().startswith("VLLM::")]
+
+
+@dataclass
+class System:
+    """One system under test: its request targets and the engine processes to freeze while others are measured."""
+
+    name: str
+    engines: list[psutil.Process] = field(default_factory=list)
+
+    def freeze(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
+        for proc in self.engines:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(sig)
+
+
+def wait_ready(url: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return
+        time.sleep(2)
+    raise TimeoutError(f"{url} did not come up within {timeout_s:.0f} s")
+
+
+def cli_flags(engine_kwargs: dict[str, Any]) -> list[str]:
+    """AsyncEngineArgs keyword arguments as `vllm serve` flags."""
+    flags = []
+    for key, value in engine_kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+class VllmServer:
+    """vLLM's own OpenAI server: one engine doing prefill and decode together, bound to `cores`."""
+
+    def __init__(self, engine: EngineConfig, cores: str, log_dir: Path):
+        self.port = free_port(HOST)
+        self.url = f"http://{HOST}:{self.port}"
+        env = {**os.environ, **engine.runtime_env.get("env_vars", {}), "VLLM_CPU_OMP_THREADS_BIND": cores}
+        command = [sys.executable, "-m", "bench.vllm_cli", "serve",
+                   resolve_model_source(engine.model_loading_config.model_source),
+                   "--served-model-name", engine.model_loading_config.model_id, "--host", HOST,
+                   "--port", str(self.port), *cli_flags(engine.engine_kwargs)]
+        self.log = open(log_dir / f"vllm-{cores}.log", "w")
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+
+    def engines(self) -> list[psutil.Process]:
+        return engine_processes(self.process.pid)
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)  # the server and the engine processes it started
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def rsllm_pd_app(config: PDAppConfig):
+    """Ray Serve LLM's `build_pd_openai_app` on the same engines: vLLM's own NixlConnector (pull), prefill on the
+    prefill side's core and decode on the decode side's."""
+    from ray.serve.llm import build_pd_openai_app
+
+    def llm_config(engine: EngineConfig) -> dict[str, Any]:
+        env = {**engine.runtime_env.get("env_vars", {}), "VLLM_CPU_OMP_THREADS_BIND": engine.cpu_cores[0],
+               "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port(HOST))}
+        return {
+            "model_loading_config": {"model_id": engine.model_loading_config.model_id,
+                                     "model_source": resolve_model_source(engine.model_loading_config.model_source)},
+            "engine_kwargs": {**engine.engine_kwargs, "kv_transfer_config": {
+                "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}},
+            "placement_group_config": {"bundles": [{"CPU": 1}], "strategy": "STRICT_PACK"},
+            "deployment_config": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
+            "runtime_env": {"env_vars": env},
+        }
+
+    return build_pd_openai_app({"prefill_config": llm_config(config.prefill), "decode_config": llm_config(config.decode),
+                                "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
+
+
+def serve_replica_pids(app_name: str) -> list[int]:
+    """Pids of the replicas of every deployment of one Serve application (each replica actor reports its own)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app_name}#"
+    replicas = [ray.get_actor(actor["name"], namespace=actor["namespace"])
+                for actor in ray.util.list_named_actors(all_namespaces=True) if actor["name"].startswith(prefix)]
+    return ray.get([replica.__ray_call__.remote(lambda _: os.getpid()) for replica in replicas])
+
+
+def app_target(base_url: str, model: str, mode: str | None = None) -> Target:
+    return Target([base_url], model, {"x-kv-transfer-mode": mode} if mode else {})
