@@ -21,7 +21,6 @@ def _connector_counts(kv_connector_stats: dict[str, Any]) -> Counter:
     for prefix in ("", "push_", "pull_"):
         counts[f"{prefix}transfers"] += len(data.get(f"{prefix}transfer_duration", ()))
         counts[f"{prefix}bytes"] += int(sum(data.get(f"{prefix}bytes_transferred", ())))
-        counts[f"{prefix}transfer_seconds"] += sum(data.get(f"{prefix}transfer_duration", ()))
     for key in ("num_failed_transfers", "num_failed_notifications", "num_failed_handshakes", "num_kv_expired_reqs",
                 "registrations_first", "push_timeouts"):
         counts[key.removeprefix("num_")] += len(data.get(key, ()))

@@ -236,26 +236,24 @@ def kv_check(before: dict, after: dict, requests: dict[str, list[int]]) -> dict:
     ok = got == want
     summary = (f"{'every' if ok else 'NOT every'} push and pull request moved its KV: "
                + ", ".join(f"{k} {got[k]} (expected {want[k]})" for k in want))
-    moved = {mode: (grew(role, f"{mode}_bytes", "kv_transfers"), grew(role, f"{mode}_transfer_seconds", "kv_transfers"))
-             for mode, role in (("push", "prefill"), ("pull", "decode"))}
-    rates = {mode: nbytes / seconds / 1e9 for mode, (nbytes, seconds) in moved.items() if seconds}
-    bytes_per_token = sum(nbytes for nbytes, _ in moved.values()) / max(got["decode_tokens_by_transfer"], 1)
-    return {"ok": ok, "got": got, "expected": want, "summary": summary, "kv_bytes_per_token": bytes_per_token,
-            "transfer_gb_s": rates}
+    moved = grew("prefill", "push_bytes", "kv_transfers") + grew("decode", "pull_bytes", "kv_transfers")
+    return {"ok": ok, "got": got, "expected": want, "summary": summary,
+            "kv_bytes_per_token": moved / max(got["decode_tokens_by_transfer"], 1)}
 
 
 def handoff_weight(results: dict) -> str:
-    """How much the KV hand-off weighs against prefill: the time to move one prompt token's KV at the rate NIXL
-    reached, over the time to prefill one prompt token (plain vLLM at the longest prompt)."""
-    kv, n = results["kv_check"], max(results["lengths"])
-    if not kv["transfer_gb_s"] or "vllm" not in results["latency"]:
+    """How much the KV hand-off weighs against prefill, from the app's pull timelines: decode's wait for the KV
+    (allocation, the READ, the step that notices it) against the prefill's compute."""
+    pull = results["latency"].get("pull")
+    if not pull or "phases_p50_ms" not in pull[str(results["lengths"][0])]:
         return ""
-    rate = statistics.mean(kv["transfer_gb_s"].values()) * 1e9
-    prefill_s_per_token = results["latency"]["vllm"][str(n)]["ttft_p50"] / 1e3 / n
-    return (f"KV hand-off weight: {kv['kv_bytes_per_token'] / 1024:.1f} KiB of KV per prompt token, moved at "
-            + ", ".join(f"{mode} {gbs:.2f} GB/s" for mode, gbs in kv["transfer_gb_s"].items())
-            + f"; prefill takes {prefill_s_per_token * 1e6:.0f} us per token at {n} tokens; moving a token's KV "
-            f"takes {kv['kv_bytes_per_token'] / rate / prefill_s_per_token:.2%} of the time to prefill it.")
+    shares = []
+    for n in results["lengths"]:
+        phases = pull[str(n)]["phases_p50_ms"]
+        shares.append(f"{phases['kv_wait']:.1f} ms at {n} tokens ({phases['kv_wait'] / phases['prefill_compute']:.0%} "
+                      f"of its prefill's {phases['prefill_compute']:.0f} ms)")
+    return (f"KV hand-off weight: {results['kv_check']['kv_bytes_per_token'] / 1024:.1f} KiB of KV per prompt token; "
+            "pull's decode waits for its KV " + ", ".join(shares) + ".")
 
 
 def machine() -> str:

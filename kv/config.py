@@ -54,10 +54,10 @@ class TransferConfig(StrictModel):
         "own steps drive transfers; turn it on for transports that need the passive side to progress.",
     )
     step_spin_s: float | None = Field(
-        default=None, ge=0,
+        default=None, gt=0,
         description="How long an engine's processes spin after a step before they sleep until the next one "
-        "(kv/step_spin.py). null keeps vLLM's 1 s, which suits engines with cores to spare; 0 frees the core at "
-        "once, for engines that share cores with other engines.",
+        "(kv/step_spin.py). null keeps vLLM's 1 s, which suits engines with cores to spare; tens of milliseconds "
+        "free the core soon after a request, for engines that share cores with other engines.",
     )
     connector_extra_config: dict[str, Any] = Field(
         default_factory=dict, description="Extra kv_connector_extra_config entries (leases, timeouts, threads)."
