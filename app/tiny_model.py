@@ -32,11 +32,11 @@ TINY_ARCHITECTURE = {
     # Wider than the usual 0.02 so that logits are peaked: greedy choices then do not hinge on rounding noise.
     "initializer_range": 0.08,
 }
-# KV-heavy: far more KV per token for its compute, so that the KV hand-off weighs on TTFT here about as much as it
-# does for Qwen3-32B on GPUs. KV per prompt token is 2 (K, V) x layers x KV heads x head_dim x 4 bytes (float32):
-# 32 KiB, 8x the tiny model's 4 KiB, for about twice its prefill time. Full multi-head attention (as many KV heads
-# as query heads) and a narrow MLP put most of the compute into producing K and V. README's results section says
-# which ratio this reaches, measured.
+# KV-heavy: more KV per token, so that moving it weighs on TTFT here about as it does for Qwen3-32B on GPUs (there,
+# moving a token's 256 KiB over EFA takes a few percent of the time to prefill it). KV per prompt token is 2 (K, V)
+# x layers x KV heads x head_dim x 4 bytes (float32): 32 KiB, 8x the tiny model's 4 KiB. Full multi-head attention
+# (as many KV heads as query heads) and a narrow MLP put the compute into producing and attending over K and V; on
+# this CPU prefill costs about 3x the tiny model's. bench/results/kv-heavy/ has the measured weight.
 KV_HEAVY_ARCHITECTURE = {
     **TINY_ARCHITECTURE,
     "intermediate_size": 256,
