@@ -28,10 +28,8 @@ class Target:
 
 @dataclass
 class Sample:
-    prompt_tokens: int
     ttft: float  # seconds from sending to the first token
     token_times: list[float]  # seconds since sending, one per streamed token
-    cached_tokens: int | None = None  # the app's count of prompt tokens that arrived by transfer
     phases_ms: dict[str, float] = field(default_factory=dict)  # the app's timeline, when asked for
 
     @property
@@ -47,10 +45,9 @@ class Sample:
 async def send(client: httpx.AsyncClient, target: Target, prompt: list[int], max_tokens: int) -> Sample:
     """One greedy streaming completion of exactly `max_tokens` tokens (EOS ignored)."""
     body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
     start = time.perf_counter()
-    times, cached, phases = [], None, {}
+    times, phases = [], {}
     async with client.stream("POST", target.next_url() + "/v1/completions", json=body,
                              headers=target.headers) as response:
         response.raise_for_status()
@@ -62,15 +59,13 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: list[int], max
                 raise RuntimeError(event["error"])
             if "pd_timings" in event:
                 phases = event["pd_timings"]["phases_ms"]
-            if event.get("usage"):
-                cached = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             for choice in event.get("choices", ()):
                 # One chunk may carry several tokens; each counts as arriving now.
                 n = len(choice.get("token_ids") or ()) or (1 if choice.get("text") else 0)
                 times += [time.perf_counter() - start] * n
     if len(times) != max_tokens:
         raise RuntimeError(f"expected {max_tokens} tokens, got {len(times)}")
-    return Sample(len(prompt), times[0], times, cached, phases)
+    return Sample(times[0], times, phases)
 
 
 async def run_concurrent(target: Target, prompts: list[list[int]], max_tokens: int, concurrency: int

@@ -41,8 +41,8 @@ from rich.console import Console
 from tqdm import tqdm
 
 from bench.load import Sample, Target, percentile, run_concurrent
-from bench.systems import HOST, ROOT, System, VllmServer, app_target, engine_processes, rsllm_pd_app, \
-    serve_replica_pids, wait_ready
+from bench.systems import HOST, ROOT, System, VllmServer, engine_processes, rsllm_pd_app, serve_replica_pids, \
+    wait_ready
 
 APP_MODES = ("push", "pull", "local")
 LENGTH_MIX = (128, 512, 1024)  # the concurrency sweep's prompt lengths, drawn uniformly
@@ -331,7 +331,7 @@ def main() -> None:
                 rsllm = System("rsllm-pd", [p for pid in serve_replica_pids("rsllm")
                                             for p in engine_processes(pid)])
                 rsllm.freeze()
-                systems["rsllm-pd"] = (rsllm, app_target(base + "/rsllm", model))
+                systems["rsllm-pd"] = (rsllm, Target([base + "/rsllm"], model))
 
         totals = lambda: {role: h.transfer_totals.remote().result() for role, h in handles.items()}  # noqa: E731
         before = totals()

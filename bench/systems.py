@@ -23,7 +23,6 @@ import psutil
 
 from app.config import EngineConfig, PDAppConfig
 from app.tiny_model import resolve_model_source
-from bench.load import Target
 from kv.engine_identity import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +133,3 @@ def serve_replica_pids(app_name: str) -> list[int]:
     replicas = [ray.get_actor(actor["name"], namespace=actor["namespace"])
                 for actor in ray.util.list_named_actors(all_namespaces=True) if actor["name"].startswith(prefix)]
     return ray.get([replica.__ray_call__.remote(lambda _: os.getpid()) for replica in replicas])
-
-
-def app_target(base_url: str, model: str, mode: str | None = None) -> Target:
-    return Target([base_url], model, {"x-kv-transfer-mode": mode} if mode else {})
