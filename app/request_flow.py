@@ -76,11 +76,12 @@ class RequestFlow:
         finally:
             stream.cancel()  # a no-op once finished; otherwise (client gone) decode aborts and frees its blocks
 
-    def _dispatch_prefill(self, request: EngineRequest, mode: TransferMode | None, seeded: bool,
-                          timeline: RequestTimeline, transfer_id: str) -> DeploymentResponseGenerator:
+    def _dispatch_prefill(self, request: EngineRequest, seeded: bool, timeline: RequestTimeline,
+                          transfer: tuple[TransferMode, str] | None) -> DeploymentResponseGenerator:
+        """`transfer`: the mode and transfer id under which prefill keeps the prompt's KV; None keeps nothing."""
         leg = EngineRequest(request.request_id, request.prompt_token_ids,
                             prefill_sampling(request.sampling_params, seeded),
-                            prefill_params(mode, transfer_id) if mode else None)
+                            prefill_params(*transfer) if transfer else None)
         timeline.dispatched("prefill")
         return self.prefill.prefill.remote(leg)
 
@@ -94,9 +95,9 @@ class RequestFlow:
         return result
 
     @staticmethod
-    def _seed(request: EngineRequest, result: PrefillResult) -> EngineChunk | None:
-        """The first token as the client's first chunk, or None if the request goes on without it (unseeded).
-        The chunk keeps prefill's finish reason only if that token ends the request."""
+    def _seed(request: EngineRequest, result: PrefillResult) -> EngineChunk:
+        """Prefill's token as the client's first chunk. It keeps prefill's finish reason only if that token ends
+        the request."""
         first = result.first
         ends = first.finish_reason == "stop" or request.sampling_params.max_tokens == 1
         return replace(first, finish_reason=first.finish_reason if ends else None, engine_events={})
@@ -104,7 +105,7 @@ class RequestFlow:
     # -- flows -----------------------------------------------------------------------------------------------------
 
     async def _prefill_only(self, request: EngineRequest, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
-        stream = self._dispatch_prefill(request, None, True, timeline, new_transfer_id())
+        stream = self._dispatch_prefill(request, True, timeline, transfer=None)
         try:
             yield self._seed(request, await self._prefill_result(stream, timeline))
         finally:
@@ -113,7 +114,7 @@ class RequestFlow:
     async def _pull(self, request: EngineRequest, seeded: bool, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
         """Prefill first; the decode replica is chosen only once prefill is done (late binding), then it READs.
         Seeded: the first token goes out as soon as prefill answers, and decode's prompt ends with it."""
-        prefill = self._dispatch_prefill(request, "pull", seeded, timeline, new_transfer_id())
+        prefill = self._dispatch_prefill(request, seeded, timeline, ("pull", new_transfer_id()))
         try:
             result = await self._prefill_result(prefill, timeline)
         finally:
@@ -135,7 +136,7 @@ class RequestFlow:
         with it under a fresh transfer id, while prefill computes; prefill WRITEs the KV the moment it finishes.
         Seeded: prefill's token goes out as soon as prefill answers, and decode's copy of it is dropped."""
         transfer_id = new_transfer_id()
-        prefill = self._dispatch_prefill(request, "push", seeded, timeline, transfer_id)
+        prefill = self._dispatch_prefill(request, seeded, timeline, ("push", transfer_id))
         prefill_result, decode = None, None
         try:
             identity = await prefill.__anext__()
