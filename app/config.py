@@ -76,6 +76,12 @@ class EngineConfig(StrictModel):
 class IngressConfig(StrictModel):
     deployment_config: dict[str, Any] = Field(default_factory=dict)
     request_timeout_s: PositiveInt = Field(default=120, description="Upper bound on one request end to end.")
+    max_request_bytes: PositiveInt = Field(default=4 * 2**20, description="Larger request bodies get a 413.")
+    api_key_env: str | None = Field(
+        default=None,
+        description="Name of an environment variable, set in the ingress replicas, holding the key clients must send "
+        "as `Authorization: Bearer <key>` (OpenAI's scheme). Unset: no authentication.",
+    )
 
 
 class PDAppConfig(StrictModel):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import os
 import logging
 import uuid
 from typing import AsyncIterator, TypeVar
@@ -39,10 +41,31 @@ TIMINGS_HEADER = "x-pd-timings"
 Body = TypeVar("Body", bound=SamplingFields)
 
 
-async def _parse(request: Request, model: type[Body]) -> Body:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused with a 413 as soon as it is known to exceed `limit` bytes."""
+    too_large = APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+def _refuse_constant(name: str) -> None:
+    raise APIError(400, f"request body is not valid JSON: {name} is not a number")
+
+
+async def _parse(request: Request, model: type[Body], limit: int) -> Body:
+    body = await _read_body(request, limit)
     try:
-        raw = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = json.loads(body, parse_constant=_refuse_constant)
+    except RecursionError as e:
+        raise APIError(400, "request body is nested too deeply") from e
+    except ValueError as e:  # malformed JSON, invalid UTF-8, integers too long to convert
         raise APIError(400, f"request body is not valid JSON: {e}") from e
     if not isinstance(raw, dict):
         raise APIError(400, "request body must be a JSON object")
@@ -64,6 +87,8 @@ class OpenAIIngress:
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, config: PDAppConfig):
         self.model_id = config.model_id
         self.timeout_s = config.ingress.request_timeout_s
+        self.max_request_bytes = config.ingress.max_request_bytes
+        self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer)
         self.engines = {"prefill": prefill, "decode": decode}
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.
@@ -71,6 +96,9 @@ class OpenAIIngress:
             resolve_model_source(config.decode.model_loading_config.model_source)
         )
         self._max_model_len: int | None = None
+        # No token spans more characters than the longest vocabulary entry, so a prompt longer than the context
+        # times that cannot fit, and is refused before anyone spends time tokenizing it.
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
         self.phase_seconds = metrics.Histogram(
             "pd_request_phase_seconds", description="Time a request spent in each phase (app/timeline.py), by mode.",
             boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
@@ -96,6 +124,7 @@ class OpenAIIngress:
     # -- routes --------------------------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
         card = {"id": self.model_id, "object": "model", "owned_by": "pd-serve", "max_model_len": await self.max_model_len()}
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -110,9 +139,11 @@ class OpenAIIngress:
 
     async def completions(self, request: Request) -> Response:
         timeline = RequestTimeline()
-        body = await _parse(request, CompletionRequest)
+        self._authorize(request)
+        body = await _parse(request, CompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
         if isinstance(body.prompt, str):
+            await self._check_text_can_fit(len(body.prompt))
             prompt_ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)  # off the event loop
         else:
             prompt_ids = self._checked_token_ids(body.prompt)
@@ -120,9 +151,11 @@ class OpenAIIngress:
 
     async def chat_completions(self, request: Request) -> Response:
         timeline = RequestTimeline()
-        body = await _parse(request, ChatCompletionRequest)
+        self._authorize(request)
+        body = await _parse(request, ChatCompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        await self._check_text_can_fit(sum(len(m["content"]) for m in messages))
         prompt_ids = await asyncio.to_thread(self._chat_prompt, messages)  # off the event loop
         return await self._respond(request, body, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", True, timeline)
 
@@ -131,6 +164,20 @@ class OpenAIIngress:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- shared ----------------------------------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
+                           code="invalid_api_key")
+
+    async def _check_text_can_fit(self, num_chars: int) -> None:
+        limit = await self.max_model_len()
+        if num_chars > limit * self.max_token_chars:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; a prompt of {num_chars} "
+                           "characters cannot fit in it.", param="prompt", code="context_length_exceeded")
 
     def _check_model(self, model: str) -> None:
         if model != self.model_id:
@@ -209,6 +256,15 @@ class OpenAIIngress:
             if timings := output.timings():
                 yield _sse({"id": writer.request_id, "object": "pd.timings", **timings})
         yield "data: [DONE]\n\n"
+
+
+def _api_key(env_var: str | None) -> str | None:
+    if env_var is None:
+        return None
+    key = os.environ.get(env_var)
+    if not key:
+        raise ValueError(f"ingress.api_key_env names {env_var}, which is not set (or empty) in the ingress replica")
+    return key
 
 
 class RequestOutput:

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from vllm import SamplingParams
 
 from app.engine_protocol import EngineChunk
+
+logger = logging.getLogger("ray.serve")
+
+# Fields that change what the client gets back, which this server does not implement: a request that sets one is
+# refused by name rather than answered as if it had not (null or empty counts as not set).
+UNSUPPORTED_FIELDS = frozenset({
+    "tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "top_logprobs",
+    "best_of", "prompt_logprobs", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "allowed_token_ids", "bad_words", "audio", "modalities", "prediction", "web_search_options",
+    "reasoning_effort", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "truncate_prompt_tokens", "logits_processors", "vllm_xargs",
+})
+# Fields that change nothing a client can observe here: accepted silently.
+NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "priority",
+                              "request_id"})
+INT64_MAX = 2**63 - 1
 
 
 class APIError(Exception):
@@ -28,20 +45,21 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI clients send many optional ones."""
+    """Fields shared by both endpoints. Unknown fields are ignored with a warning, as vLLM's own server does: OpenAI
+    clients send many optional ones. Numbers are bounded so that nothing a client sends can overflow in an engine."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
+    top_k: int = Field(default=0, ge=-1, le=2**31 - 1)
+    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stop: str | list[str] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    min_tokens: int = Field(default=0, ge=0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     n: Literal[1] = 1
     stream: bool = False
@@ -49,6 +67,19 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     # Accepted only to refuse it clearly: transfer internals are the app's business, never the client's.
     kv_transfer_params: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported_fields(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        for name in sorted(UNSUPPORTED_FIELDS & raw.keys()):
+            if raw[name] not in (None, {}, [], "") and not (name == "tool_choice" and raw[name] == "none"):
+                raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_field")
+        unknown = raw.keys() - cls.model_fields.keys() - UNSUPPORTED_FIELDS - NO_EFFECT_FIELDS
+        if unknown:
+            logger.warning("ignoring %d unknown request field(s): %s", len(unknown), sorted(unknown)[:10])
+        return raw
 
     @field_validator("kv_transfer_params")
     @classmethod
