@@ -66,3 +66,18 @@ def test_api_error_body_has_openai_shape():
     error = APIError(404, "nope", param="model", code="model_not_found")
     assert error.body() == {"error": {"message": "nope", "type": "invalid_request_error", "param": "model",
                                       "code": "model_not_found"}}
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]), ("response_format", {"type": "json"}),
+                                          ("logit_bias", {"1": 5}), ("tool_choice", "auto")])
+def test_fields_that_would_change_the_answer_are_refused_by_name(field, value):
+    with pytest.raises(APIError, match=field) as refused:
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
+    assert refused.value.status == 400 and refused.value.param == field
+
+
+@pytest.mark.parametrize("field", [{"seed": 2**64}, {"top_k": 2**40}, {"repetition_penalty": float("inf")},
+                                   {"temperature": float("nan")}])
+def test_numbers_an_engine_could_not_hold_are_refused(field):
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", **field})
