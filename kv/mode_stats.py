@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 
 MODES = ("push", "pull")
 _PER_MODE = ("transfer_duration", "bytes_transferred")
-_PUSH_EVENTS = ("registration_wait", "registrations_first", "push_timeouts")
+_PUSH_EVENTS = ("registration_wait", "registrations_first", "push_timeouts", "late_writes_dropped")
 
 
 @dataclass
@@ -52,6 +52,9 @@ class DualModeStats(NixlKVConnectorStats):
     def record_push_timeout(self) -> None:
         self.data["push_timeouts"].append(1)
 
+    def record_write_window_missed(self) -> None:
+        self.data["late_writes_dropped"].append(1)
+
     def is_empty(self) -> bool:
         return super().is_empty() and not any(self.data[key] for key in _PUSH_EVENTS)
 
@@ -60,6 +63,7 @@ class DualModeStats(NixlKVConnectorStats):
         for mode in MODES:
             summary[f"Num {mode} transfers"] = len(self.data[f"{mode}_transfer_duration"])
         summary["Num push timeouts"] = len(self.data["push_timeouts"])
+        summary["Num late push writes dropped"] = len(self.data["late_writes_dropped"])
         return summary
 
 
@@ -97,6 +101,10 @@ class DualModePromMetrics(NixlPromMetrics):
         self.push_timeouts = per_engine(self._counter_cls(
             name="vllm:kv_push_timeouts", documentation="Push: decode receives that got no WRITE by the deadline.",
             labelnames=labelnames))
+        self.late_writes_dropped = per_engine(self._counter_cls(
+            name="vllm:kv_push_late_writes_dropped",
+            documentation="Push: WRITEs prefill did not post because decode's registration had outlived the window.",
+            labelnames=labelnames))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
@@ -113,3 +121,5 @@ class DualModePromMetrics(NixlPromMetrics):
             self.registrations_first[engine_idx].inc(count)
         if count := len(transfer_stats_data.get("push_timeouts", ())):
             self.push_timeouts[engine_idx].inc(count)
+        if count := len(transfer_stats_data.get("late_writes_dropped", ())):
+            self.late_writes_dropped[engine_idx].inc(count)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import os
+import queue
 import sys
 import time
 import uuid
@@ -40,6 +41,8 @@ from kv.transfer_params import TRANSFER_ID_KEY
 logger = init_logger(__name__)
 
 DEFAULT_PUSH_TIMEOUT_S = 20.0
+# Stamped into each push registration as it arrives at prefill (monotonic seconds); never sent anywhere.
+RECEIVED_AT_KEY = "_received_at"
 
 class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
     # Part of the NIXL compatibility hash: dual-mode engines pair only with dual-mode engines.
@@ -111,6 +114,36 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
             self._push_matcher.forget(rid)
         return results
 
+    def _get_new_notifs(self) -> set[str]:
+        """Notices to this engine about a request it is sending are pull READ notices, `<request id>:<readers>`:
+        free the blocks once that many readers are done. vLLM's push worker, which owns this method here, would read
+        the number as the readers' TP size, and with decode TP larger than prefill TP (4 and 8: 2 readers) free the
+        blocks after the first reader, while the second still reads them. Heartbeats and the notices of WRITEs this
+        engine receives (decode side) follow the push worker's rules."""
+        freed: set[str] = set()
+        others = []
+        while True:
+            try:
+                notif = self._pending_completion_notifs.get_nowait()
+            except queue.Empty:
+                break
+            request_id, _, readers = notif.decode("utf-8").rpartition(":")
+            if notif.startswith(b"HB:") or not readers.isdigit() or not self._is_sending(request_id):
+                others.append(notif)
+                continue
+            self.consumer_notification_counts_by_req[request_id] += 1
+            if self.consumer_notification_counts_by_req[request_id] >= int(readers):
+                del self.consumer_notification_counts_by_req[request_id]
+                self._reqs_to_process.discard(request_id)
+                self._reqs_to_send.pop(request_id, None)
+                freed.add(request_id)
+        for notif in others:
+            self._pending_completion_notifs.put(notif)
+        return freed | super()._get_new_notifs()
+
+    def _is_sending(self, request_id: str) -> bool:
+        return request_id in self._reqs_to_send or request_id in self._reqs_to_process
+
     def _pop_done_transfers(self, transfers):
         # Prefill's WRITE handles are push transfers; decode's READ handles are pull transfers.
         mode = "push" if transfers is self._sending_transfers else "pull"
@@ -128,6 +161,19 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
         self.xfer_stats.record_registration_wait(waited_s)
         return registration
 
+    def _do_start_push_kv(self, request_id: str, local_block_ids, registration_data: dict) -> None:
+        """Post the WRITE, if decode is still waiting for it. Also reached later, for a WRITE that waited for the
+        handshake with decode: the write window must still be open then, or the WRITE could land in blocks that
+        decode gave up on and gave to another request. A dropped WRITE leaves decode to its deadline and prefill's
+        blocks to their lease."""
+        age_s = time.monotonic() - registration_data[RECEIVED_AT_KEY]
+        if age_s > self._push_matcher.max_wait_s:
+            logger.warning("not writing push %s: its registration is %.1f s old, past the write window of %.1f s",
+                           request_id, age_s, self._push_matcher.max_wait_s)
+            self.xfer_stats.record_write_window_missed()
+            return
+        super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+
     def _handle_push_reg_notif(self, notif: bytes) -> None:
         """A decode engine registered its blocks: WRITE now if prefill has finished, else keep it until then."""
         try:
@@ -137,6 +183,7 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
             logger.exception("dropping a malformed push registration")
             return
         now = time.monotonic()
+        registration[RECEIVED_AT_KEY] = now  # local only: when this engine learned of it
         rid = self._push_matcher.registration_arrived(registration, transfer_id, now)
         blocks = self._push_finished_blocks.pop(rid, None) if rid is not None else None
         if blocks is not None:

@@ -1,0 +1,69 @@
+"""Two decisions of the dual-mode worker, tested at their narrowest seam: a worker object carrying only the state
+these methods read (building a real one needs a running engine). The faults they guard against need TP > 1 or a
+slow handshake, which this machine cannot produce; the other paths run for real in test_dual_mode.py."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+from kv.mode_stats import DualModeStats
+from kv.push_matching import PushMatcher
+from kv.worker import RECEIVED_AT_KEY, DualModeWorker
+
+
+def bare_worker(world_size: int) -> DualModeWorker:
+    worker = object.__new__(DualModeWorker)
+    worker.world_size = world_size
+    worker._pending_completion_notifs = queue.Queue()
+    worker._reqs_to_send, worker._reqs_to_process = {}, set()
+    worker._recving_metadata, worker._recving_transfers = {}, {}
+    worker.consumer_notification_counts_by_req = defaultdict(int)
+    worker.transfer_topo = SimpleNamespace()
+    worker.xfer_stats = DualModeStats()
+    return worker
+
+
+def test_pull_blocks_are_freed_only_after_every_reader(monkeypatch):
+    """Prefill TP 4, decode TP 8: two decode ranks read each prefill rank's blocks, and each sends `<id>:2`."""
+    worker = bare_worker(world_size=4)
+    worker._reqs_to_send["prefill-req"] = time.perf_counter() + 30
+    worker._reqs_to_process.add("prefill-req")
+
+    worker._pending_completion_notifs.put(b"prefill-req:2")
+    assert worker._get_new_notifs() == set()
+    assert "prefill-req" in worker._reqs_to_send  # the second reader may still be reading
+
+    worker._pending_completion_notifs.put(b"prefill-req:2")
+    assert worker._get_new_notifs() == {"prefill-req"}
+    assert "prefill-req" not in worker._reqs_to_send and not worker._reqs_to_process
+
+
+def test_write_notices_on_the_receiving_side_keep_the_push_rules():
+    """Decode side of a push: one notice per producer rank, `<id>:<producer TP>`; TP 4 to TP 4 needs one."""
+    worker = bare_worker(world_size=4)
+    worker._recving_metadata["decode-req"] = SimpleNamespace(pp_size=1)
+    worker._pending_completion_notifs.put(b"decode-req:4")
+    assert worker._get_new_notifs() == set()
+    assert worker._recving_transfers == {"decode-req": []}  # reported done by the next step
+
+
+@pytest.mark.parametrize("age_s, written", [(1.0, True), (9.0, False)])
+def test_a_write_deferred_past_the_window_is_never_posted(monkeypatch, age_s, written):
+    """A WRITE that waited for the handshake with decode is re-checked when it is finally posted."""
+    posted = []
+    monkeypatch.setattr(NixlPushConnectorWorker, "_do_start_push_kv",
+                        lambda self, rid, blocks, registration: posted.append(rid))
+    worker = bare_worker(world_size=1)
+    worker._push_matcher = PushMatcher(max_wait_s=8.0)
+    registration = {"decode_engine_id": "decode-1", RECEIVED_AT_KEY: time.monotonic() - age_s}
+
+    worker._do_start_push_kv("prefill-req", [[1, 2]], registration)
+
+    assert posted == (["prefill-req"] if written else [])
+    assert len(worker.xfer_stats.data["late_writes_dropped"]) == (0 if written else 1)
