@@ -24,6 +24,10 @@ class EngineFailed(RuntimeError):
     fail), or the engine failed it otherwise."""
 
 
+class PrefillFailed(EngineFailed):
+    """A push request's prefill leg failed while decode was still waiting for its WRITE."""
+
+
 class RequestFlow:
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, transfer: TransferConfig):
         self.prefill = prefill.options(stream=True)
@@ -31,6 +35,7 @@ class RequestFlow:
         self.default_mode = transfer.default_mode
         self.modes = transfer.modes
         self.seed_first_token = transfer.seed_first_token
+        self.recompute_on_failure = transfer.on_transfer_failure == "recompute"
 
     def choose_mode(self, requested: str | None) -> TransferMode:
         if requested is None:
@@ -102,6 +107,31 @@ class RequestFlow:
         ends = first.finish_reason == "stop" or request.sampling_params.max_tokens == 1
         return replace(first, finish_reason=first.finish_reason if ends else None, engine_events={})
 
+    @staticmethod
+    async def _succeeded(prefill_result: asyncio.Future) -> PrefillResult:
+        try:
+            return await prefill_result
+        except Exception as e:
+            raise PrefillFailed(f"prefill failed the request: {e!r}") from e
+
+    @staticmethod
+    async def _unless_prefill_fails(chunks: AsyncIterator[EngineChunk], prefill_result: asyncio.Future
+                                    ) -> AsyncIterator[EngineChunk]:
+        """Decode's chunks, until prefill's leg fails first: then PrefillFailed at once (decode's leg is cancelled,
+        which frees its blocks), rather than decode waiting out `push_timeout_s` for a WRITE that cannot come."""
+        chunks = aiter(chunks)
+        while True:
+            step = asyncio.ensure_future(anext(chunks))
+            if not prefill_result.done():
+                await asyncio.wait({step, prefill_result}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done() and prefill_result.exception() is not None:
+                step.cancel()
+                raise PrefillFailed(f"prefill failed the request: {prefill_result.exception()!r}")
+            try:
+                yield await step
+            except StopAsyncIteration:
+                return
+
     # -- flows -----------------------------------------------------------------------------------------------------
 
     async def _prefill_only(self, request: EngineRequest, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
@@ -143,18 +173,30 @@ class RequestFlow:
             prefill_result = asyncio.ensure_future(self._prefill_result(prefill, timeline))
             decode = self._dispatch_decode(replace(request, kv_transfer_params=push_decode_params(
                 transfer_id, identity, len(request.prompt_token_ids))), timeline)
-            first = None
-            if seeded:
-                first = self._seed(request, await prefill_result)
-                yield first
-                if first.finish_reason is not None:
-                    return
-            async for chunk in self._decode(decode, timeline, drop_first=first):
-                yield chunk
-            await prefill_result  # surfaces a prefill failure even if decode recovered by recomputing
+            first, sent = None, False
+            try:
+                if seeded:
+                    first = self._seed(request, await self._succeeded(prefill_result))
+                    sent = True
+                    yield first
+                    if first.finish_reason is not None:
+                        return
+                async for chunk in self._unless_prefill_fails(self._decode(decode, timeline, drop_first=first),
+                                                              prefill_result):
+                    sent = True
+                    yield chunk
+            except PrefillFailed:
+                if sent or not self.recompute_on_failure:
+                    raise
+                # As the failure policy says for a transfer that cannot happen: decode computes the prompt itself.
+                decode.cancel()
+                async for chunk in self._decode(self._dispatch_decode(request, timeline), timeline):
+                    yield chunk
         finally:
             prefill.cancel()
             if decode is not None:
                 decode.cancel()
             if prefill_result is not None:
                 prefill_result.cancel()
+                if prefill_result.done() and not prefill_result.cancelled():
+                    prefill_result.exception()  # decode's answer stands; a late prefill failure changes nothing
