@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from app.config import PDAppConfig
 from app.engine_protocol import EngineChunk, EngineRequest
+from app.leg_health import LegHealth
 from app.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -39,6 +40,8 @@ MODE_HEADER = "x-kv-transfer-mode"
 # A client that sends `x-pd-timings: 1` gets the request's timeline (app/timeline.py) in the response.
 TIMINGS_HEADER = "x-pd-timings"
 Body = TypeVar("Body", bound=SamplingFields)
+# A replacement engine replica takes a minute or more to start; clients that honour Retry-After come back then.
+RETRY_LATER = {"Retry-After": "10"}
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -91,6 +94,7 @@ class OpenAIIngress:
         self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer)
         self.engines = {"prefill": prefill, "decode": decode}
+        self.leg_health = LegHealth(self.engines, config.ingress.health_poll_s)
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.
         self.tokenizer = AutoTokenizer.from_pretrained(
             resolve_model_source(config.decode.model_loading_config.model_source)
@@ -114,7 +118,7 @@ class OpenAIIngress:
 
     @staticmethod
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def max_model_len(self) -> int:
         if self._max_model_len is None:
@@ -130,12 +134,17 @@ class OpenAIIngress:
 
     async def health(self, request: Request) -> JSONResponse:
         """Ready when both engine deployments answer; Serve itself restarts replicas that fail their health checks."""
+        replicas = self.leg_health.replicas
+        if down := self.leg_health.down(tuple(self.engines)):
+            return JSONResponse({"status": "unavailable", "down": down, "replicas": replicas}, status_code=503,
+                                headers=RETRY_LATER)
         try:
             async with asyncio.timeout(5):
                 loads = {role: await handle.load.remote() for role, handle in self.engines.items()}
         except Exception as e:  # noqa: BLE001 -- any failure to reach an engine means not ready
-            return JSONResponse({"status": "unavailable", "reason": repr(e)}, status_code=503)
-        return JSONResponse({"status": "ok", "load": loads})
+            return JSONResponse({"status": "unavailable", "reason": repr(e), "replicas": replicas}, status_code=503,
+                                headers=RETRY_LATER)
+        return JSONResponse({"status": "ok", "load": loads, "replicas": replicas})
 
     async def completions(self, request: Request) -> Response:
         timeline = RequestTimeline()
@@ -214,6 +223,9 @@ class OpenAIIngress:
     async def _respond(self, http_request: Request, body: SamplingFields, prompt_ids: list[int], request_id: str,
                        chat: bool, timeline: RequestTimeline) -> Response:
         mode = self._mode(http_request)
+        if down := self.leg_health.down(("decode",) if mode == "local" else ("prefill", "decode")):
+            raise APIError(503, f"no {' or '.join(down)} replica is running (Serve is replacing it); retry shortly",
+                           "service_unavailable", code="engine_unavailable", headers=RETRY_LATER)
         max_tokens = await self._checked_max_tokens(body, len(prompt_ids))
         engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens))
         writer = ResponseWriter(request_id, self.model_id, chat, body.return_token_ids)

@@ -32,9 +32,10 @@ class APIError(Exception):
     """An error the client caused or must learn about, rendered in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 
 MODES = ("push", "pull")
 _PER_MODE = ("transfer_duration", "bytes_transferred")
-_PUSH_EVENTS = ("registration_wait", "registrations_first", "push_timeouts", "late_writes_dropped")
+_EVENTS = ("registration_wait", "registrations_first", "push_timeouts", "late_writes_dropped", "pull_lease_expired")
 
 
 @dataclass
@@ -25,7 +25,7 @@ class DualModeStats(NixlKVConnectorStats):
     def reset(self) -> None:
         super().reset()
         self.data.update({f"{mode}_{key}": [] for mode in MODES for key in _PER_MODE})
-        self.data.update({key: [] for key in _PUSH_EVENTS})
+        self.data.update({key: [] for key in _EVENTS})
         self._mode: str | None = None
 
     @contextlib.contextmanager
@@ -55,8 +55,11 @@ class DualModeStats(NixlKVConnectorStats):
     def record_write_window_missed(self) -> None:
         self.data["late_writes_dropped"].append(1)
 
+    def record_pull_lease_expired(self) -> None:
+        self.data["pull_lease_expired"].append(1)
+
     def is_empty(self) -> bool:
-        return super().is_empty() and not any(self.data[key] for key in _PUSH_EVENTS)
+        return super().is_empty() and not any(self.data[key] for key in _EVENTS)
 
     def reduce(self) -> dict[str, int | float]:
         summary = super().reduce()
@@ -64,6 +67,7 @@ class DualModeStats(NixlKVConnectorStats):
             summary[f"Num {mode} transfers"] = len(self.data[f"{mode}_transfer_duration"])
         summary["Num push timeouts"] = len(self.data["push_timeouts"])
         summary["Num late push writes dropped"] = len(self.data["late_writes_dropped"])
+        summary["Num pull reads refused past lease"] = len(self.data["pull_lease_expired"])
         return summary
 
 
@@ -101,6 +105,10 @@ class DualModePromMetrics(NixlPromMetrics):
         self.push_timeouts = per_engine(self._counter_cls(
             name="vllm:kv_push_timeouts", documentation="Push: decode receives that got no WRITE by the deadline.",
             labelnames=labelnames))
+        self.pull_lease_expired = per_engine(self._counter_cls(
+            name="vllm:kv_pull_reads_refused_past_lease",
+            documentation="Pull: requests that reached decode too late to read prefill's KV (failed or recomputed).",
+            labelnames=labelnames))
         self.late_writes_dropped = per_engine(self._counter_cls(
             name="vllm:kv_push_late_writes_dropped",
             documentation="Push: WRITEs prefill did not post because decode's registration had outlived the window.",
@@ -121,5 +129,7 @@ class DualModePromMetrics(NixlPromMetrics):
             self.registrations_first[engine_idx].inc(count)
         if count := len(transfer_stats_data.get("push_timeouts", ())):
             self.push_timeouts[engine_idx].inc(count)
+        if count := len(transfer_stats_data.get("pull_lease_expired", ())):
+            self.pull_lease_expired[engine_idx].inc(count)
         if count := len(transfer_stats_data.get("late_writes_dropped", ())):
             self.late_writes_dropped[engine_idx].inc(count)

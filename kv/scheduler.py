@@ -7,6 +7,7 @@ ingress wrote into `kv_transfer_params`. What this adds on top of vLLM:
   the ingress generated, never by request-id similarity;
 - each pending decode-side receive is tagged with its mode for the worker (metadata `transfer_modes`);
 - a step with no model work pauses briefly (see `IDLE_STEP_PAUSE_S`);
+- a pull request reaching decode too late to read its KV is failed (or recomputed, per policy), never read;
 - the answer of a finished request states the mode that was really used and its transfer id.
 
 vLLM internals relied on: the per-request hooks of both classes, `_push_pending_registrations`, `_reqs_need_recv`,
@@ -21,9 +22,12 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
+from vllm.logger import init_logger
 
 from kv.step_spin import limit_step_spin
-from kv.transfer_params import MODE_KEY, TRANSFER_ID_KEY
+from kv.transfer_params import LEASE_EXPIRES_AT_KEY, MODE_KEY, TRANSFER_ID_KEY
+
+logger = init_logger(__name__)
 
 # A step with no model work only checks on transfers the peer engine is doing (a push receive waits for a whole
 # prefill). vLLM steps again at once, and its engine process busy-waits for each step's result on whatever core is
@@ -48,6 +52,24 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         self._recv_modes: dict[str, str] = {}
         # Prefill side: transfer id of each finished push request whose blocks the worker has not yet been given.
         self._finished_push_ids: dict[str, str] = {}
+        # Decode side: pull requests that arrived too close to their lease's end to read (see `on_new_request`).
+        self._expired_pulls: set[str] = set()
+        # Once decode has a pull request, its heartbeats extend prefill's lease; the first one goes out within a
+        # heartbeat interval. A request arriving later than this before the lease ends may find its blocks freed.
+        self._lease_margin_s = self._heartbeat_interval + 1.0
+
+    def on_new_request(self, request) -> None:
+        """Decode side: a pull request whose prefill lease is over (or nearly) must not READ: prefill may have
+        freed those blocks and given them to another request, and a READ would return someone else's KV without
+        error. It is failed instead; vLLM's `kv_load_failure_policy` then fails it or recomputes the prompt.
+        (Wall clocks: across nodes this assumes clocks agree to well within the margin, as NTP gives.)"""
+        expires_at = (request.kv_transfer_params or {}).get(LEASE_EXPIRES_AT_KEY)
+        if expires_at is not None and time.time() > expires_at - self._lease_margin_s:
+            logger.warning("pull request %s arrived %.1f s before its KV lease ends (margin %.1f s): not reading",
+                           request.request_id, expires_at - time.time(), self._lease_margin_s)
+            self._expired_pulls.add(request.request_id)
+            return  # and no heartbeats for it
+        super().on_new_request(request)
 
     @staticmethod
     def _mode_class(request) -> type:
@@ -77,8 +99,11 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         self._note_new_receive(request)  # an abort before allocation still queues a receive that releases prefill
         if request.request_id in self._newly_finished_push_blocks:
             self._finished_push_ids[request.request_id] = params.get(TRANSFER_ID_KEY)
+        self._expired_pulls.discard(request.request_id)
         if answer is not None:
             answer[MODE_KEY] = transfer_mode(params)
+            if delay_free and transfer_mode(params) == "pull":  # prefill holds the blocks for a reader, for a lease
+                answer[LEASE_EXPIRES_AT_KEY] = time.time() + self._kv_lease_duration
             if params.get(TRANSFER_ID_KEY):
                 answer[TRANSFER_ID_KEY] = params[TRANSFER_ID_KEY]
         return delay_free, answer
@@ -91,6 +116,8 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         meta = super().build_connector_meta(scheduler_output)
         meta.transfer_modes = {rid: self._recv_modes.pop(rid, "pull") for rid in meta.reqs_to_recv}
         meta.push_transfer_ids = {rid: self._finished_push_ids.pop(rid) for rid in meta.push_finished_blocks}
+        meta.expired_pulls = {rid for rid in meta.reqs_to_recv if rid in self._expired_pulls}
+        self._expired_pulls -= meta.expired_pulls
         if scheduler_output.total_num_scheduled_tokens == 0:
             time.sleep(IDLE_STEP_PAUSE_S)
         return meta

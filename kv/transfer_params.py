@@ -22,7 +22,12 @@ _PULL_LOCATION_KEYS = (
     "pp_size",
     "remote_num_tokens",
     "remote_blocks_expiry_time",
+    "lease_expires_at",
 )
+
+
+# Pull: when prefill frees the prompt's KV unless a decode engine has taken the request by then (wall-clock seconds).
+LEASE_EXPIRES_AT_KEY = "lease_expires_at"
 
 
 def new_transfer_id() -> str:

@@ -81,18 +81,28 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         modes = getattr(metadata, "transfer_modes", {})
-        push_recvs = {rid: m for rid, m in metadata.reqs_to_recv.items() if modes.get(rid) == "push"}
+        push = {rid for rid in metadata.reqs_to_recv if modes.get(rid) == "push"}
+        # A push request aborted before decode allocated its blocks leaves an empty receive. Pull's empty receive
+        # tells prefill to let go; push's has no one to tell (prefill WRITEs only into a registration, and none was
+        # sent) and nothing to wait for, so it goes nowhere: tracked, it would never be cleared.
+        push_recvs = {rid: m for rid, m in metadata.reqs_to_recv.items() if rid in push and any(m.local_block_ids)}
         for rid, transfer_id in getattr(metadata, "push_transfer_ids", {}).items():
             if transfer_id is not None:
                 self._push_matcher.request_finished(rid, transfer_id)
         now = time.monotonic()
-        for rid, meta in push_recvs.items():
-            if any(meta.local_block_ids):  # an empty receive only tells prefill to let go; nothing to wait for
-                self._push_deadlines.arm(rid, now)
+        for rid in push_recvs:
+            self._push_deadlines.arm(rid, now)
+
+        expired = getattr(metadata, "expired_pulls", set())
+        for rid in expired:  # their KV may be gone: fail the receive, never READ (see DualModeScheduler)
+            self._recving_metadata[rid] = metadata.reqs_to_recv[rid]
+            self.xfer_stats.record_pull_lease_expired()
+            self._failed_recv_reqs.put(rid)  # vLLM then fails the request or recomputes, per kv_load_failure_policy
 
         # Pull view: READs, leases, batch tracking and heartbeats (vLLM's pull worker does all of these).
         pull_view = copy.copy(metadata)
-        pull_view.reqs_to_recv = {rid: m for rid, m in metadata.reqs_to_recv.items() if rid not in push_recvs}
+        pull_view.reqs_to_recv = {rid: m for rid, m in metadata.reqs_to_recv.items()
+                                  if rid not in push and rid not in expired}
         pull_view.push_registrations, pull_view.push_finished_blocks = {}, {}
         NixlPullConnectorWorker.start_load_kv(self, pull_view)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ from app.config import PDAppConfig
 from app.engine_protocol import EngineRequest
 from app.engine_server import DecodeServer
 from conftest import CASES, LEASE_S, PUSH_TIMEOUT_S, app_config, counter_growth, prompt_token_ids, wait_until
-from kv.transfer_params import new_transfer_id, prefill_params, push_decode_params
+from kv.transfer_params import new_transfer_id, prefill_params, pull_decode_params, push_decode_params
 
 pytestmark = pytest.mark.engines
 MODEL = "tiny-qwen3"
@@ -130,6 +131,44 @@ def test_untaken_prefill_result_is_freed_at_lease_expiry(app, tokenizer):
     assert grew["prefill"]["kv_expired_reqs"] == 1
 
 
+def _late_pull_decode_leg(app, tokenizer, case) -> EngineRequest:
+    """A pull decode leg that reaches decode only after prefill's lease is over, as one queued behind a full decode
+    replica would: prefill may have freed (and reused) the blocks by then."""
+    transfer_id = new_transfer_id()
+    ids = prompt_token_ids(tokenizer, case)
+    params = SamplingParams(temperature=0.0, max_tokens=case.max_tokens)
+    prefill_leg = EngineRequest(f"late-{transfer_id}", ids, params, prefill_params("pull", transfer_id))
+    result = list(app.handles["prefill"].options(stream=True).prefill.remote(prefill_leg))[-1]
+    time.sleep(LEASE_S)
+    return EngineRequest(f"late-{transfer_id}", ids, params, pull_decode_params(result.kv_transfer_params))
+
+
+def _refused_reads(before: dict, read) -> Counter:
+    return counter_growth(before, wait_until(read, lambda t: t["kv_transfers"].get("pull_lease_expired", 0)
+                                             > before["kv_transfers"].get("pull_lease_expired", 0), timeout_s=5))
+
+
+def test_pull_decode_arriving_after_the_lease_fails_and_never_reads(app, tokenizer):
+    decode_leg = _late_pull_decode_leg(app, tokenizer, CASES[1])
+    before = app.totals()
+    chunks = list(app.handles["decode"].options(stream=True).generate.remote(decode_leg))
+    assert chunks[-1].finish_reason == "error" and not any(c.token_ids for c in chunks)
+    grew = _refused_reads(before["decode"], lambda: app.totals()["decode"])
+    assert grew["pull_lease_expired"] == 1 and grew["pull_transfers"] == 0
+    assert app.wait_until_idle(IDLE_WITHIN_S)["decode"]["kv_cache_usage"] == 0
+
+
+def test_pull_decode_arriving_after_the_lease_recomputes(recompute_decode, app, tokenizer, reference_outputs):
+    case = CASES[1]
+    decode_leg = _late_pull_decode_leg(app, tokenizer, case)
+    before = recompute_decode.transfer_totals.remote().result()
+    chunks = list(recompute_decode.options(stream=True).generate.remote(decode_leg))
+    assert [t for c in chunks for t in c.token_ids] == reference_outputs[case.name]["token_ids"]
+    grew = _refused_reads(before, lambda: recompute_decode.transfer_totals.remote().result())
+    assert grew["pull_lease_expired"] == 1 and grew["pull_transfers"] == 0
+    assert grew["local_compute"] == len(decode_leg.prompt_token_ids)
+
+
 def test_push_registration_without_write_times_out_and_fails(app, tokenizer):
     # A decode leg registered with prefill under a transfer id that no prefill leg carries: no WRITE ever comes.
     _, decode_leg = _legs(app, tokenizer, CASES[1])
@@ -145,7 +184,7 @@ def test_push_registration_without_write_times_out_and_fails(app, tokenizer):
     assert app.wait_until_idle(IDLE_WITHIN_S)["decode"]["kv_cache_usage"] == 0
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def recompute_decode(app):
     """A second decode engine beside the app's, configured to recompute the prompt when its KV does not arrive."""
     from ray import serve

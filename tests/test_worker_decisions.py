@@ -1,6 +1,7 @@
-"""Two decisions of the dual-mode worker, tested at their narrowest seam: a worker object carrying only the state
-these methods read (building a real one needs a running engine). The faults they guard against need TP > 1 or a
-slow handshake, which this machine cannot produce; the other paths run for real in test_dual_mode.py."""
+"""Decisions of the dual-mode worker, tested at their narrowest seam: a worker object carrying only the state these
+methods read (building a real one needs a running engine). The faults they guard against need TP > 1, a slow
+handshake or an abort in a narrow window, which this machine cannot produce on demand; the other paths run for real
+in test_dual_mode.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
 from kv.mode_stats import DualModeStats
-from kv.push_matching import PushMatcher
+from kv.push_matching import PushMatcher, ReceiveDeadlines
 from kv.worker import RECEIVED_AT_KEY, DualModeWorker
 
 
@@ -67,3 +68,27 @@ def test_a_write_deferred_past_the_window_is_never_posted(monkeypatch, age_s, wr
 
     assert posted == (["prefill-req"] if written else [])
     assert len(worker.xfer_stats.data["late_writes_dropped"]) == (0 if written else 1)
+
+
+def test_a_push_aborted_before_decode_allocated_leaves_nothing_behind(monkeypatch):
+    """Its receive comes with no blocks: neither view of the worker may track it (nothing would ever clear it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+
+    seen = {}
+    monkeypatch.setattr(NixlPullConnectorWorker, "start_load_kv",
+                        lambda self, view: seen.setdefault("pull", dict(view.reqs_to_recv)))
+    monkeypatch.setattr(NixlPushConnectorWorker, "start_load_kv",
+                        lambda self, view: seen.setdefault("push", dict(view.reqs_to_recv)))
+    worker = bare_worker(world_size=1)
+    worker._push_matcher = PushMatcher(max_wait_s=8.0)
+    worker._push_deadlines = ReceiveDeadlines(timeout_s=10.0)
+    metadata = NixlConnectorMetadata()
+    metadata.reqs_to_recv = {"aborted": SimpleNamespace(local_block_ids=([],)),
+                             "waiting": SimpleNamespace(local_block_ids=([3, 4],))}
+    metadata.transfer_modes = {"aborted": "push", "waiting": "push"}
+
+    worker.start_load_kv(metadata)
+
+    assert seen == {"pull": {}, "push": {"waiting": metadata.reqs_to_recv["waiting"]}}
+    assert len(worker._push_deadlines) == 1
