@@ -151,22 +151,24 @@ class OpenAIIngress:
         self._authorize(request)
         body = await _parse(request, CompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
+        mode = self._mode(request)
         if isinstance(body.prompt, str):
             await self._check_text_can_fit(len(body.prompt))
             prompt_ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)  # off the event loop
         else:
             prompt_ids = self._checked_token_ids(body.prompt)
-        return await self._respond(request, body, prompt_ids, f"cmpl-{uuid.uuid4().hex}", False, timeline)
+        return await self._respond(request, body, mode, prompt_ids, f"cmpl-{uuid.uuid4().hex}", False, timeline)
 
     async def chat_completions(self, request: Request) -> Response:
         timeline = RequestTimeline()
         self._authorize(request)
         body = await _parse(request, ChatCompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
+        mode = self._mode(request)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         await self._check_text_can_fit(sum(len(m["content"]) for m in messages))
         prompt_ids = await asyncio.to_thread(self._chat_prompt, messages)  # off the event loop
-        return await self._respond(request, body, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", True, timeline)
+        return await self._respond(request, body, mode, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", True, timeline)
 
     def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -215,17 +217,19 @@ class OpenAIIngress:
         return requested or room
 
     def _mode(self, request: Request) -> TransferMode:
+        """The request's transfer mode, if every leg it needs has a running replica (else a 503 at once: queued in
+        Serve's router, it would wait for a replacement replica, which takes minutes to start an engine)."""
         try:
-            return self.flow.choose_mode(request.headers.get(MODE_HEADER))
+            mode = self.flow.choose_mode(request.headers.get(MODE_HEADER))
         except UnsupportedMode as e:
             raise APIError(400, str(e), param=MODE_HEADER) from e
-
-    async def _respond(self, http_request: Request, body: SamplingFields, prompt_ids: list[int], request_id: str,
-                       chat: bool, timeline: RequestTimeline) -> Response:
-        mode = self._mode(http_request)
         if down := self.leg_health.down(("decode",) if mode == "local" else ("prefill", "decode")):
             raise APIError(503, f"no {' or '.join(down)} replica is running (Serve is replacing it); retry shortly",
                            "service_unavailable", code="engine_unavailable", headers=RETRY_LATER)
+        return mode
+
+    async def _respond(self, http_request: Request, body: SamplingFields, mode: TransferMode, prompt_ids: list[int],
+                       request_id: str, chat: bool, timeline: RequestTimeline) -> Response:
         max_tokens = await self._checked_max_tokens(body, len(prompt_ids))
         engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens))
         writer = ResponseWriter(request_id, self.model_id, chat, body.return_token_ids)
