@@ -81,6 +81,11 @@ class PushMatcher:
         with self._lock:
             self._waiting[transfer_id] = PendingRegistration(registration, now)
 
+    def request_of(self, transfer_id: str) -> str | None:
+        """The finished prefill request that carries `transfer_id`, if any."""
+        with self._lock:
+            return self._request_of.get(transfer_id)
+
     def forget(self, request_id: str) -> None:
         """The request's blocks are released (WRITE done, lease expired or aborted)."""
         with self._lock:

@@ -151,6 +151,13 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
             self._pending_completion_notifs.put(notif)
         return freed | super()._get_new_notifs()
 
+    def _handle_heartbeat(self, payload: str) -> None:
+        """Decode's heartbeats name a push request by its transfer id (decode never learns prefill's request id):
+        extend the lease of the prefill request carrying it, so that a push request queued at a busy decode keeps
+        its KV. Pull heartbeats name prefill's request id and pass as they are."""
+        names = [self._push_matcher.request_of(name) or name for name in payload.split(",")]
+        super()._handle_heartbeat(",".join(names))
+
     def _is_sending(self, request_id: str) -> bool:
         return request_id in self._reqs_to_send or request_id in self._reqs_to_process
 

@@ -232,12 +232,15 @@ def test_transfer_mode_is_chosen_per_request_and_reported(app, reference_outputs
     assert local.status_code == 200 and local.headers["x-kv-transfer-mode"] == "local"
     assert local.json()["choices"][0]["token_ids"] == reference_outputs[case.name]["token_ids"]
     assert local.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    grew = app.growth(before, app.totals())
-    assert grew["decode"]["transfers"] == grew["prefill"]["transfers"] == 0
-    assert grew["prefill"]["local_compute"] == 0
 
     default = httpx.post(app.base_url + path, json=body, timeout=120)
     assert default.headers["x-kv-transfer-mode"] == "pull"
+    # The counters settle a moment after each response; the pull request's READ, counted after the local request's
+    # own counts, is the fence: once it shows, everything local did shows too, and local moved no KV.
+    grew = app.growth(before, app.wait_for_totals(lambda t: t["decode"]["kv_transfers"].get("pull_transfers", 0)
+                                                  > before["decode"]["kv_transfers"].get("pull_transfers", 0)))
+    assert grew["decode"]["transfers"] == grew["decode"]["pull_transfers"] == 1 and grew["prefill"]["transfers"] == 0
+    assert grew["prefill"]["local_compute"] == len(reference_outputs[case.name]["prompt_token_ids"])  # pull's only
 
     unknown = httpx.post(app.base_url + path, json=body, headers={"x-kv-transfer-mode": "teleport"}, timeout=60)
     assert unknown.status_code == 400 and "teleport" in unknown.json()["error"]["message"]

@@ -218,7 +218,8 @@ def test_push_registration_without_write_times_out_and_recomputes(recompute_deco
 def test_client_abort_leaves_no_kv_blocks_in_use(app, mode, when):
     """The client goes away before prefill is done, or after tokens started flowing: both legs are aborted and,
     once idle, neither engine holds a KV block (prefill's lease covers a result that decode never took)."""
-    body = {"model": MODEL, "prompt": CASES[2].prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+    # 1,513 prompt tokens and 500 to decode: several seconds of decoding that only an abort cuts short.
+    body = {"model": MODEL, "prompt": CASES[2].prompt, "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", app.base_url + "/v1/completions", json=body,
                       headers={"x-kv-transfer-mode": mode}, timeout=60) as response:
@@ -227,6 +228,11 @@ def test_client_abort_leaves_no_kv_blocks_in_use(app, mode, when):
             lines = response.iter_lines()
             while not next(lines).startswith("data: {"):
                 pass
+    # The aborts reached the engines: nothing runs or waits well before the request could have finished.
+    def nothing_scheduled(loads):
+        return all(load["running"] == load["waiting"] == 0 for load in loads.values())
+    assert nothing_scheduled(wait_until(app.loads, nothing_scheduled, timeout_s=2.0)), app.loads()
+    # Blocks that may still be written or read wait for their push deadline or lease.
     loads = app.wait_until_idle(IDLE_WITHIN_S)
     assert loads == {role: {"running": 0, "waiting": 0, "kv_cache_usage": 0.0} for role in ("prefill", "decode")}
     # and the pair still serves

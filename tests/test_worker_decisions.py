@@ -92,3 +92,16 @@ def test_a_push_aborted_before_decode_allocated_leaves_nothing_behind(monkeypatc
 
     assert seen == {"pull": {}, "push": {"waiting": metadata.reqs_to_recv["waiting"]}}
     assert len(worker._push_deadlines) == 1
+
+
+def test_heartbeats_naming_a_push_transfer_extend_its_prefill_lease():
+    worker = bare_worker(world_size=1)
+    worker._push_matcher = PushMatcher(max_wait_s=8.0)
+    worker._lease_extension = 30
+    soon = time.perf_counter() + 1
+    worker._reqs_to_send = {"prefill-push": soon, "prefill-pull": soon}
+    worker._push_matcher.request_finished("prefill-push", "transfer-1")
+
+    worker._handle_heartbeat("transfer-1,prefill-pull")
+
+    assert all(expiry > soon + 20 for expiry in worker._reqs_to_send.values()), worker._reqs_to_send
