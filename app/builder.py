@@ -19,21 +19,24 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve.Deployment:
     """A replica takes as many requests as its engine runs at once (vLLM's `max_num_seqs`): more would only queue
     inside the engine, where Serve can no longer send them to a replica with room."""
-    # The replica actor sits in bundle 0 of its own placement group and takes that bundle's resources, so the
-    # engine's processes (which inherit the actor's CPU/GPU assignment) stay inside the bundle.
-    first_bundle = engine.placement_group_config.bundles[0]
-    actor_options = {
-        "num_cpus": first_bundle.get("CPU", 0),
-        "num_gpus": first_bundle.get("GPU", 0),
-        "runtime_env": engine.runtime_env,
-        **engine.deployment_config.get("ray_actor_options", {}),
-    }
+    bundles = [dict(b) for b in engine.placement_bundles()]
+    actor_options = {"runtime_env": engine.runtime_env, **engine.deployment_config.get("ray_actor_options", {})}
+    if engine.uses_gpu:
+        # vLLM's Ray executor runs one worker per GPU bundle of the placement group Serve gives the replica. The
+        # replica's actor needs no GPU of its own: it takes a CPU share that is added to bundle 0, which also
+        # keeps it on the node of the first worker.
+        replica_cpus = actor_options.setdefault("num_cpus", 1)
+        actor_options["num_gpus"] = 0
+        bundles[0]["CPU"] = bundles[0].get("CPU", 0) + replica_cpus
+    else:
+        # The engine runs in the replica's process and children, which stay inside the actor's bundle 0.
+        actor_options = {"num_cpus": bundles[0].get("CPU", 0), "num_gpus": 0, **actor_options}
     options = {"max_ongoing_requests": engine.max_num_seqs, **engine.deployment_config}
     options.pop("ray_actor_options", None)
     return serve.deployment(server).options(
         **options,
         ray_actor_options=actor_options,
-        placement_group_bundles=engine.placement_group_config.bundles,
+        placement_group_bundles=bundles,
         placement_group_strategy=engine.placement_group_config.strategy,
     )
 

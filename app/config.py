@@ -23,10 +23,22 @@ class ModelLoadingConfig(StrictModel):
 
 
 class PlacementGroupConfig(StrictModel):
-    """One placement group per replica; the replica's actor and its engine live in bundle 0."""
+    """One placement group per replica. CPU engines run inside the replica's actor, which takes bundle 0. GPU
+    engines run one worker per GPU, each in a bundle of its own (vLLM refuses a bundle with more than one GPU):
+    give them `bundle_per_worker`, as in Ray Serve LLM, or one bundle per worker in `bundles`."""
 
-    bundles: list[dict[str, float]] = Field(min_length=1)
+    bundles: list[dict[str, float]] | None = Field(default=None, min_length=1)
+    bundle_per_worker: dict[str, float] | None = None
     strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+
+    @model_validator(mode="after")
+    def _one_way_to_give_bundles(self) -> PlacementGroupConfig:
+        if (self.bundles is None) == (self.bundle_per_worker is None):
+            raise ValueError("placement_group_config takes exactly one of bundles and bundle_per_worker")
+        return self
+
+    def worker_bundles(self, world_size: int) -> list[dict[str, float]]:
+        return self.bundles if self.bundles is not None else [dict(self.bundle_per_worker) for _ in range(world_size)]
 
 
 class EngineConfig(StrictModel):
@@ -62,6 +74,33 @@ class EngineConfig(StrictModel):
     def max_num_seqs(self) -> int:
         """Requests one engine runs at once."""
         return int(self.engine_kwargs.get("max_num_seqs", SchedulerConfig.DEFAULT_MAX_NUM_SEQS))
+
+    @property
+    def world_size(self) -> int:
+        """vLLM workers per engine: one per GPU."""
+        return (int(self.engine_kwargs.get("tensor_parallel_size", 1))
+                * int(self.engine_kwargs.get("pipeline_parallel_size", 1)))
+
+    @property
+    def uses_gpu(self) -> bool:
+        return any(b.get("GPU", 0) > 0 for b in self.placement_group_config.worker_bundles(self.world_size))
+
+    def placement_bundles(self) -> list[dict[str, float]]:
+        return self.placement_group_config.worker_bundles(self.world_size)
+
+    @model_validator(mode="after")
+    def _gpu_bundles_fit_vllm(self) -> EngineConfig:
+        """vLLM's Ray executor places one worker per bundle holding one GPU, and refuses bundles with more."""
+        if not self.uses_gpu:
+            return self
+        gpu_bundles = [b for b in self.placement_bundles() if b.get("GPU", 0) > 0]
+        if any(b["GPU"] > 1 for b in gpu_bundles):
+            raise ValueError("a GPU engine's bundles may hold one GPU each (vLLM places one worker per bundle): "
+                             "use placement_group_config.bundle_per_worker: {GPU: 1, CPU: ...}")
+        if len(gpu_bundles) < self.world_size:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} workers need as "
+                             f"many GPU bundles; placement_group_config gives {len(gpu_bundles)}")
+        return self
 
     @model_validator(mode="after")
     def _one_core_set_per_replica(self) -> EngineConfig:
@@ -103,8 +142,7 @@ class PDAppConfig(StrictModel):
 
     @model_validator(mode="after")
     def _buffer_matches_hardware(self) -> PDAppConfig:
-        uses_gpu = any(b.get("GPU", 0) > 0 for side in (self.prefill, self.decode)
-                       for b in side.placement_group_config.bundles)
+        uses_gpu = self.prefill.uses_gpu or self.decode.uses_gpu
         if uses_gpu and any(side.cpu_cores for side in (self.prefill, self.decode)):
             raise ValueError("cpu_cores applies to CPU engines only; GPU bundles were given")
         if not uses_gpu and self.transfer.kv_buffer_device != "cpu":

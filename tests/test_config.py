@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,16 +61,44 @@ def test_gpu_preset_resolves_to_whole_nodes_and_efa(preset):
     config = load_config(preset)
     for side, server in ((config.prefill, PrefillServer), (config.decode, DecodeServer)):
         tp = side.engine_kwargs["tensor_parallel_size"]
-        [bundle] = side.placement_group_config.bundles
-        assert bundle["GPU"] == tp == 8  # a whole 8-GPU node per engine: prefill and decode cannot share a node
+        deployment = engine_deployment(server, side)
+        bundles = deployment._replica_config.placement_group_bundles
+        # One bundle per GPU, packed: a whole 8-GPU node per engine, so prefill and decode cannot share a node.
+        assert [b["GPU"] for b in bundles] == [1] * tp == [1] * 8
+        assert deployment._replica_config.placement_group_strategy == "STRICT_PACK"
+        assert deployment.ray_actor_options["num_gpus"] == 0  # the replica's actor: a CPU share of bundle 0
+        assert bundles[0]["CPU"] == bundles[1]["CPU"] + deployment.ray_actor_options["num_cpus"]
+        assert side.engine_kwargs["distributed_executor_backend"] == "ray"
         assert side.engine_kwargs["enable_prefix_caching"] is False
         assert side.cpu_cores is None
-        options = engine_deployment(server, side).ray_actor_options
-        assert options["num_gpus"] == 8
     assert config.model_id == "Qwen/Qwen3-32B"
     kv_config = build_kv_transfer_config(config.transfer, "engine-x")
     assert kv_config.kv_connector_extra_config["backends"] == ["LIBFABRIC"]
     assert kv_config.kv_buffer_device == "cuda" and kv_config.kv_role == "kv_both"
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS, ids=[p.stem for p in GPU_PRESETS])
+def test_gpu_preset_placement_is_accepted_by_vllms_ray_executor(preset):
+    """On a Ray cluster declaring the GPUs (tests/gpu_layout_probe.py): the placement group is created, and vLLM's
+    Ray-executor setup, run from the replica's bundle, accepts it; the old one-bundle layout it refuses."""
+    done = subprocess.run([sys.executable, str(CONFIGS.parent / "tests" / "gpu_layout_probe.py"), str(preset)],
+                          capture_output=True, text=True, cwd=CONFIGS.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {r["layout"]: r for r in map(json.loads, filter(lambda l: l.startswith("{"), done.stdout.splitlines()))}
+    assert results["preset"]["error"] is None, results["preset"]
+    assert "more than 1 GPU" in results["one-bundle-all-gpus"]["error"]
+
+
+@pytest.mark.parametrize("bundles, error", [
+    ({"bundles": [{"GPU": 8, "CPU": 32}]}, "one GPU each"),
+    ({"bundle_per_worker": {"GPU": 1}, "bundles": [{"GPU": 1}]}, "exactly one of"),
+    ({"bundles": [{"GPU": 1}] * 4}, "need as many GPU bundles"),
+])
+def test_gpu_placements_vllm_would_refuse_are_refused_at_config_time(bundles, error):
+    raw = yaml.safe_load(GPU_PRESETS[0].read_text())
+    raw["prefill"] = {**raw["prefill"], "placement_group_config": {**bundles, "strategy": "STRICT_PACK"}}
+    with pytest.raises(ValidationError, match=error):
+        PDAppConfig.model_validate(raw)
 
 
 def _invalid(mutate) -> str:
