@@ -48,6 +48,7 @@ class EngineServer:
             model=resolve_model_source(engine.model_loading_config.model_source),
             served_model_name=[self.model_id],
             kv_transfer_config=build_kv_transfer_config(transfer, self.identity.engine_id),
+            worker_extension_cls="kv.worker_extension.TransferStateExtension",
             **engine.engine_kwargs,
         )
         self.engine = AsyncLLM.from_engine_args(
@@ -67,6 +68,14 @@ class EngineServer:
 
     def transfer_totals(self) -> dict:
         return self.stats.totals()
+
+    async def transfer_state(self) -> dict[str, int]:
+        """In-flight transfer state held by the engine's workers, summed (kv/worker.py `pending_counts`)."""
+        counts: dict[str, int] = {}
+        for worker_counts in await self.engine.collective_rpc("transfer_state"):
+            for key, n in worker_counts.items():
+                counts[key] = counts.get(key, 0) + n
+        return counts
 
     def engine_info(self) -> dict:
         return {

@@ -135,7 +135,7 @@ class OpenAIIngress:
     async def health(self, request: Request) -> JSONResponse:
         """Ready when both engine deployments answer; Serve itself restarts replicas that fail their health checks."""
         replicas = self.leg_health.replicas
-        if down := self.leg_health.down(tuple(self.engines)):
+        if down := await self.leg_health.down(tuple(self.engines)):
             return JSONResponse({"status": "unavailable", "down": down, "replicas": replicas}, status_code=503,
                                 headers=RETRY_LATER)
         try:
@@ -151,7 +151,7 @@ class OpenAIIngress:
         self._authorize(request)
         body = await _parse(request, CompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
-        mode = self._mode(request)
+        mode = await self._mode(request)
         if isinstance(body.prompt, str):
             await self._check_text_can_fit(len(body.prompt))
             prompt_ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)  # off the event loop
@@ -164,7 +164,7 @@ class OpenAIIngress:
         self._authorize(request)
         body = await _parse(request, ChatCompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
-        mode = self._mode(request)
+        mode = await self._mode(request)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         await self._check_text_can_fit(sum(len(m["content"]) for m in messages))
         prompt_ids = await asyncio.to_thread(self._chat_prompt, messages)  # off the event loop
@@ -216,14 +216,14 @@ class OpenAIIngress:
             )
         return requested or room
 
-    def _mode(self, request: Request) -> TransferMode:
+    async def _mode(self, request: Request) -> TransferMode:
         """The request's transfer mode, if every leg it needs has a running replica (else a 503 at once: queued in
         Serve's router, it would wait for a replacement replica, which takes minutes to start an engine)."""
         try:
             mode = self.flow.choose_mode(request.headers.get(MODE_HEADER))
         except UnsupportedMode as e:
             raise APIError(400, str(e), param=MODE_HEADER) from e
-        if down := self.leg_health.down(("decode",) if mode == "local" else ("prefill", "decode")):
+        if down := await self.leg_health.down(("decode",) if mode == "local" else ("prefill", "decode")):
             raise APIError(503, f"no {' or '.join(down)} replica is running (Serve is replacing it); retry shortly",
                            "service_unavailable", code="engine_unavailable", headers=RETRY_LATER)
         return mode

@@ -70,10 +70,14 @@ class PushMatcher:
             request_id = self._request_of.get(transfer_id)
             if request_id is not None:
                 return request_id
-            for stale in [t for t, p in self._waiting.items() if p.too_old(now, self.max_wait_s)]:
-                del self._waiting[stale]
             self._waiting[transfer_id] = PendingRegistration(registration, now)
             return None
+
+    def prune(self, now: float) -> None:
+        """Drop registrations past the write window: their request was aborted here, or never came."""
+        with self._lock:
+            for stale in [t for t, p in self._waiting.items() if p.too_old(now, self.max_wait_s)]:
+                del self._waiting[stale]
 
     def keep_waiting(self, registration: dict[str, Any], transfer_id: str, now: float) -> None:
         """The request has finished but its blocks have not reached the matcher's caller yet: hold the

@@ -77,6 +77,20 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
     def _ensure_handshake(self, engine_id, host, port, tp_size, dcp_size=1, pp_size=1, notif_agents_only=False):
         return super()._ensure_handshake(engine_id, host, port, tp_size, dcp_size, pp_size, notif_agents_only=False)
 
+    def pending_counts(self) -> dict[str, int]:
+        """Sizes of the per-request transfer state; all zero on an idle engine, or something leaked."""
+        return {
+            "receiving": len(self._recving_metadata),
+            "receive_handles": len(self._recving_transfers),
+            "send_handles": len(self._sending_transfers),
+            "leased_sends": len(self._reqs_to_send),
+            "sends_in_batch": len(self._reqs_to_process),
+            "read_notices_pending": len(self.consumer_notification_counts_by_req),
+            "push_blocks_awaiting_registration": len(self._push_finished_blocks),
+            "push_matcher_entries": len(self._push_matcher),
+            "push_deadlines": len(self._push_deadlines),
+        }
+
     # -- engine main thread ------------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
@@ -122,6 +136,7 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
         results = super().get_transfer_results()
         for rid in results.finished_sending:
             self._push_matcher.forget(rid)
+        self._push_matcher.prune(time.monotonic())  # every step; an idle engine prunes at its next one
         return results
 
     def _get_new_notifs(self) -> set[str]:

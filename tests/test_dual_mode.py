@@ -237,3 +237,17 @@ def test_client_abort_leaves_no_kv_blocks_in_use(app, mode, when):
     assert loads == {role: {"running": 0, "waiting": 0, "kv_cache_usage": 0.0} for role in ("prefill", "decode")}
     # and the pair still serves
     assert _complete(app, CASES[0], mode)["choices"][0]["finish_reason"] == "length"
+
+
+def test_idle_engines_hold_no_transfer_state(app):
+    """Last in this module, after its aborts, lease expiries and push timeouts: once the engines are idle, neither
+    connector still tracks any request (kv/worker.py `pending_counts`). Registrations for push requests that prefill
+    never finished (aborted, or made up by the tests above) are pruned at each step once past the write window: a
+    request after that window is the step that does it."""
+    app.wait_until_idle(IDLE_WITHIN_S)
+    time.sleep(PUSH_TIMEOUT_S)
+    _complete(app, CASES[0], "pull")
+    states = wait_until(lambda: {role: app.engine_call(role, "transfer_state") for role in ("prefill", "decode")},
+                        lambda s: not any(n for state in s.values() for n in state.values()), timeout_s=IDLE_WITHIN_S)
+    left = {role: {kind: n for kind, n in state.items() if n} for role, state in states.items()}
+    assert not any(left.values()), left

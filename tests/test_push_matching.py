@@ -46,7 +46,8 @@ def test_registration_whose_blocks_are_still_in_flight_is_kept():
 def test_unmatched_registrations_are_pruned_after_max_wait():
     matcher = PushMatcher(max_wait_s=5)
     matcher.registration_arrived(registration("old"), "old", now=0.0)
-    matcher.registration_arrived(registration("new"), "new", now=6.0)  # prunes "old"
+    matcher.registration_arrived(registration("new"), "new", now=6.0)
+    matcher.prune(now=6.0)  # drops "old" only
     matcher.request_finished("prefill-old", "old")
     assert matcher.take_registration("prefill-old", now=6.1) is None
     assert len(matcher) == 2  # one request, one registration ("new")
