@@ -8,7 +8,7 @@ import json
 import os
 import logging
 import uuid
-from typing import AsyncIterator, TypeVar
+from typing import AsyncGenerator, AsyncIterator, TypeVar
 
 from pydantic import ValidationError
 from ray import serve
@@ -250,12 +250,15 @@ class OpenAIIngress:
         except Exception as e:
             logger.exception("request %s failed", request_id)
             raise APIError(500, f"request failed: {e}", "server_error") from e
+        finally:
+            await chunks.aclose()  # whatever ended the loop, the request's legs are aborted now
         result = writer.whole(output.text, output.token_ids, output.finish_reason, output.num_prompt_tokens,
                               output.num_cached_tokens)
         return JSONResponse({**result, **output.timings()}, headers=headers)
 
-    async def _sse_stream(self, chunks: AsyncIterator[EngineChunk], writer: ResponseWriter, output: RequestOutput,
+    async def _sse_stream(self, chunks: AsyncGenerator[EngineChunk, None], writer: ResponseWriter, output: RequestOutput,
                           include_usage: bool) -> AsyncIterator[str]:
+        failed = False
         try:
             async with asyncio.timeout(self.timeout_s):
                 async for chunk in chunks:
@@ -265,7 +268,10 @@ class OpenAIIngress:
             logger.exception("stream %s failed", writer.request_id)
             kind = "timeout_error" if isinstance(e, TimeoutError) else "server_error"
             yield _sse(APIError(500, f"request failed: {e!r}", kind).body())
-        else:
+            failed = True
+        finally:
+            await chunks.aclose()  # also when the client went away: the request's legs are aborted now
+        if not failed:
             if include_usage:
                 yield _sse(writer.usage_chunk(output.num_prompt_tokens, len(output.token_ids),
                                                    output.num_cached_tokens))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncGenerator, AsyncIterator
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -44,7 +44,8 @@ class RequestFlow:
             raise UnsupportedMode(f"transfer mode {requested!r} is not served here; choose one of {list(self.modes)}")
         return requested
 
-    def stream(self, request: EngineRequest, mode: TransferMode, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
+    def stream(self, request: EngineRequest, mode: TransferMode, timeline: RequestTimeline
+               ) -> AsyncGenerator[EngineChunk, None]:
         if mode == "local":
             return self._decode(self._dispatch_decode(request, timeline), timeline)
         seeded = self.seed_first_token and can_seed(request.sampling_params, mode)

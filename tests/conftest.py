@@ -105,6 +105,12 @@ class RunningApp:
     def loads(self) -> dict[str, dict]:
         return {role: self.engine_call(role, "load") for role in ROLES}
 
+    def wait_until_nothing_scheduled(self, timeout_s: float) -> dict[str, dict]:
+        """Both engines with no request running or waiting (KV blocks may still be held for a transfer)."""
+        def unscheduled(loads):
+            return all(l["running"] == l["waiting"] == 0 for l in loads.values())
+        return wait_until(self.loads, unscheduled, timeout_s)
+
     def wait_until_idle(self, timeout_s: float) -> dict[str, dict]:
         """Both engines with no request and no KV block in use (or the last reading, once the time is up)."""
         def idle(loads):
@@ -133,6 +139,24 @@ def app_config(**transfer) -> dict:
     config = yaml.safe_load(CPU_CONFIG.read_text())
     config["transfer"].update(lease_s=LEASE_S, push_timeout_s=PUSH_TIMEOUT_S, **transfer)
     return config
+
+
+def deploy_ingress(app: RunningApp, name: str, ingress: dict | None = None, decode: Any = None,
+                   env_vars: dict[str, str] | None = None) -> str:
+    """Another ingress, as its own Serve application at /<name>, in front of the session's engines (or of `decode`,
+    a bound stand-in deployment); `ingress` holds its config section. Returns its URL; `serve.delete(name)` ends it."""
+    from ray import serve
+
+    from app.config import PDAppConfig
+    from app.ingress import OpenAIIngress
+
+    config = app_config()
+    config["ingress"] = ingress or {}
+    actor_options = {"num_cpus": 0, "runtime_env": {"env_vars": env_vars or {}}}
+    bound = OpenAIIngress.options(name=f"Ingress-{name}", ray_actor_options=actor_options).bind(
+        app.handles["prefill"], decode or app.handles["decode"], PDAppConfig.model_validate(config))
+    serve.run(bound, name=name, route_prefix=f"/{name}")
+    return f"{app.base_url}/{name}"
 
 
 @pytest.fixture(scope="session")

@@ -229,9 +229,8 @@ def test_client_abort_leaves_no_kv_blocks_in_use(app, mode, when):
             while not next(lines).startswith("data: {"):
                 pass
     # The aborts reached the engines: nothing runs or waits well before the request could have finished.
-    def nothing_scheduled(loads):
-        return all(load["running"] == load["waiting"] == 0 for load in loads.values())
-    assert nothing_scheduled(wait_until(app.loads, nothing_scheduled, timeout_s=2.0)), app.loads()
+    loads = app.wait_until_nothing_scheduled(timeout_s=2.0)
+    assert all(l["running"] == l["waiting"] == 0 for l in loads.values()), loads
     # Blocks that may still be written or read wait for their push deadline or lease.
     loads = app.wait_until_idle(IDLE_WITHIN_S)
     assert loads == {role: {"running": 0, "waiting": 0, "kv_cache_usage": 0.0} for role in ("prefill", "decode")}

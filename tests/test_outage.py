@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import app_config, wait_until
+from conftest import deploy_ingress, wait_until
 
 pytestmark = pytest.mark.engines
 MODEL = "tiny-qwen3"
@@ -43,14 +43,7 @@ def outage_url(app, tmp_path):
     import ray
     from ray import serve
 
-    from app.config import PDAppConfig
-    from app.ingress import OpenAIIngress
-
-    stand_in = _stand_in_deployment().bind(str(tmp_path / "started"), 60.0)
-    ingress = OpenAIIngress.options(name="OutageIngress", ray_actor_options={"num_cpus": 0}).bind(
-        app.handles["prefill"], stand_in, PDAppConfig.model_validate(app_config()))
-    serve.run(ingress, name=APP, route_prefix="/outage")
-    url = app.base_url + "/outage"
+    url = deploy_ingress(app, APP, decode=_stand_in_deployment().bind(str(tmp_path / "started"), 60.0))
     wait_until(lambda: httpx.get(url + "/health", timeout=10).status_code, lambda code: code == 200, timeout_s=20)
 
     prefix = f"SERVE_REPLICA::{APP}#StandInDecode#"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import app_config
+from conftest import deploy_ingress
 
 pytestmark = pytest.mark.engines
 MODEL = "tiny-qwen3"
@@ -14,20 +14,11 @@ KEY = "sk-test-4f0c2b"
 
 @pytest.fixture(scope="module")
 def authenticated_url(app):
-    """A second ingress, requiring a key, in front of the session's engines (their handles are passed in)."""
+    """A second ingress, requiring a key, in front of the session's engines."""
     from ray import serve
 
-    from app.config import PDAppConfig
-    from app.ingress import OpenAIIngress
-
-    config = app_config()
-    config["ingress"] = {"api_key_env": "PD_TEST_API_KEY"}
-    ingress = OpenAIIngress.options(
-        name="AuthenticatedIngress",
-        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {"PD_TEST_API_KEY": KEY}}},
-    ).bind(app.handles["prefill"], app.handles["decode"], PDAppConfig.model_validate(config))
-    serve.run(ingress, name="pd-authenticated", route_prefix="/authenticated")
-    yield app.base_url + "/authenticated"
+    yield deploy_ingress(app, "pd-authenticated", {"api_key_env": "PD_TEST_API_KEY"},
+                         env_vars={"PD_TEST_API_KEY": KEY})
     serve.delete("pd-authenticated")
 
 
