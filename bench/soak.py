@@ -6,7 +6,7 @@ Starts the app on a Ray cluster of its own and drives it: push, pull and local a
 1,500 tokens, 1 to 64 output tokens, and a share of clients that go away before their first token or mid-stream.
 Every 30 s it samples the memory (RSS) of every process of the app (ingress, engine replicas, their engine and
 worker processes) and the in-flight transfer state of each engine's connector. Once the load stops and the engines
-are idle, it prints each process's memory at the first sample, at the end and at its peak, and the transfer state.
+are idle, it prints each process's memory over the run and the transfer state.
 Exits 1 if a KV block is still in use or any transfer state is left.
 """
 
@@ -136,11 +136,13 @@ def main() -> None:
     console.print(f"{sum(outcomes.values())} requests in {args.minutes:g} min at concurrency {args.concurrency}:")
     for outcome, n in sorted(outcomes.items()):
         console.print(f"  {outcome}: {n}")
-    table = Table("process", "RSS first sample (MiB)", "RSS end (MiB)", "peak (MiB)", "end - first")
-    first = samples[0][0]
+    # RSS over the run (MiB): whether growth levels off (caches warming to new shapes) or keeps climbing (a leak).
+    shown = samples[::max(1, len(samples) // 5)]
+    table = Table("process", *(f"{(i * SAMPLE_EVERY_S * max(1, len(samples) // 5) + SAMPLE_EVERY_S) / 60:.1f} min"
+                               for i in range(len(shown))), "end", "end - first", title="RSS (MiB)")
     for name, end_mb in final_memory.items():
-        peak = max(s[0].get(name, 0) for s in samples)
-        table.add_row(name, f"{first[name]:.0f}", f"{end_mb:.0f}", f"{peak:.0f}", f"{end_mb - first[name]:+.0f}")
+        table.add_row(name, *(f"{s[0].get(name, 0):.0f}" for s in shown), f"{end_mb:.0f}",
+                      f"{end_mb - samples[0][0][name]:+.0f}")
     console.print(table)
     console.print("engines' loads once idle:", loads)
     console.print("in-flight transfer state, peak during the run:",
