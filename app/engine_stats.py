@@ -22,7 +22,7 @@ def _connector_counts(kv_connector_stats: dict[str, Any]) -> Counter:
         counts[f"{prefix}transfers"] += len(data.get(f"{prefix}transfer_duration", ()))
         counts[f"{prefix}bytes"] += int(sum(data.get(f"{prefix}bytes_transferred", ())))
     for key in ("num_failed_transfers", "num_failed_notifications", "num_failed_handshakes", "num_kv_expired_reqs",
-                "registrations_first", "push_timeouts", "late_writes_dropped", "pull_lease_expired"):
+                "registrations_first", "push_timeouts", "late_writes_dropped", "pull_lease_expired", "push_withdrawn"):
         counts[key.removeprefix("num_")] += len(data.get(key, ()))
     return counts
 

@@ -17,7 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 
 MODES = ("push", "pull")
 _PER_MODE = ("transfer_duration", "bytes_transferred")
-_EVENTS = ("registration_wait", "registrations_first", "push_timeouts", "late_writes_dropped", "pull_lease_expired")
+_EVENTS = ("registration_wait", "registrations_first", "push_timeouts", "late_writes_dropped", "pull_lease_expired",
+           "push_withdrawn")
 
 
 @dataclass
@@ -58,6 +59,9 @@ class DualModeStats(NixlKVConnectorStats):
     def record_pull_lease_expired(self) -> None:
         self.data["pull_lease_expired"].append(1)
 
+    def record_push_withdrawn(self) -> None:
+        self.data["push_withdrawn"].append(1)
+
     def is_empty(self) -> bool:
         return super().is_empty() and not any(self.data[key] for key in _EVENTS)
 
@@ -68,6 +72,7 @@ class DualModeStats(NixlKVConnectorStats):
         summary["Num push timeouts"] = len(self.data["push_timeouts"])
         summary["Num late push writes dropped"] = len(self.data["late_writes_dropped"])
         summary["Num pull reads refused past lease"] = len(self.data["pull_lease_expired"])
+        summary["Num push registrations withdrawn"] = len(self.data["push_withdrawn"])
         return summary
 
 
@@ -113,6 +118,10 @@ class DualModePromMetrics(NixlPromMetrics):
             name="vllm:kv_push_late_writes_dropped",
             documentation="Push: WRITEs prefill did not post because decode's registration had outlived the window.",
             labelnames=labelnames))
+        self.push_withdrawn = per_engine(self._counter_cls(
+            name="vllm:kv_push_registrations_withdrawn",
+            documentation="Push: registrations decode withdrew (its request ended) before prefill WRITEs into them.",
+            labelnames=labelnames))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
@@ -133,3 +142,5 @@ class DualModePromMetrics(NixlPromMetrics):
             self.pull_lease_expired[engine_idx].inc(count)
         if count := len(transfer_stats_data.get("late_writes_dropped", ())):
             self.late_writes_dropped[engine_idx].inc(count)
+        if count := len(transfer_stats_data.get("push_withdrawn", ())):
+            self.push_withdrawn[engine_idx].inc(count)

@@ -6,6 +6,10 @@ legs, in either order. Decode side: a registered receive must see its WRITE by a
 The two sides share one timeout but not one clock: prefill only WRITEs into a registration during a window that
 closes well before decode's deadline (`write_window`), so a WRITE never lands in blocks that decode has already
 given up on and handed to another request.
+
+A decode request that ends while it waits (its client went away) withdraws its registration. Prefill answers that
+no WRITE will come, unless one was posted already; from then on it never WRITEs for that transfer id. Decode can
+then free its blocks at once instead of at its deadline.
 """
 
 from __future__ import annotations
@@ -13,6 +17,19 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from kv.transfer_params import TRANSFER_ID_KEY
+
+# Marks a registration message (decode -> prefill) that withdraws an earlier registration.
+WITHDRAW_KEY = "withdraw"
+# What a withdrawal carries over from the registration it withdraws: enough for prefill to find the transfer and
+# to reach the decode engine with its answer.
+WITHDRAWAL_FIELDS = (TRANSFER_ID_KEY, "request_id", "decode_engine_id", "decode_host", "decode_port", "decode_tp_size",
+                     "remote_engine_id")
+
+
+def withdrawal_of(registration: dict[str, Any]) -> dict[str, Any]:
+    return {**{key: registration[key] for key in WITHDRAWAL_FIELDS}, WITHDRAW_KEY: True}
 
 
 @dataclass
@@ -46,6 +63,8 @@ class PushMatcher:
     _transfer_of: dict[str, str] = field(default_factory=dict)  # prefill request id -> transfer id
     _request_of: dict[str, str] = field(default_factory=dict)  # transfer id -> prefill request id
     _waiting: dict[str, PendingRegistration] = field(default_factory=dict)  # transfer id -> registration
+    _written: set[str] = field(default_factory=set)  # transfer ids whose WRITE was posted
+    _withdrawn: dict[str, float] = field(default_factory=dict)  # transfer id -> when decode withdrew it
 
     def request_finished(self, request_id: str, transfer_id: str) -> None:
         """Prefill finished a push request; its blocks are about to be offered for matching."""
@@ -70,14 +89,37 @@ class PushMatcher:
             request_id = self._request_of.get(transfer_id)
             if request_id is not None:
                 return request_id
-            self._waiting[transfer_id] = PendingRegistration(registration, now)
+            if transfer_id not in self._withdrawn:  # a withdrawal that overtook its registration
+                self._waiting[transfer_id] = PendingRegistration(registration, now)
             return None
 
+    def withdraw(self, transfer_id: str, now: float) -> bool:
+        """Decode withdrew its registration. True if no WRITE was posted for it: none ever will be (`claim_write`
+        refuses from now on), so decode may free its blocks. False if a WRITE is on its way; its completion notices
+        end decode's receive."""
+        with self._lock:
+            if transfer_id in self._written:
+                return False
+            self._withdrawn[transfer_id] = now
+            self._waiting.pop(transfer_id, None)
+            return True
+
+    def claim_write(self, transfer_id: str) -> bool:
+        """About to post the WRITE for `transfer_id`: False if decode withdrew it (then it must not be posted)."""
+        with self._lock:
+            if transfer_id in self._withdrawn:
+                return False
+            self._written.add(transfer_id)
+            return True
+
     def prune(self, now: float) -> None:
-        """Drop registrations past the write window: their request was aborted here, or never came."""
+        """Drop registrations past the write window (their request was aborted here, or never came), and
+        withdrawals as old: a registration they could still stop is past its window by then too."""
         with self._lock:
             for stale in [t for t, p in self._waiting.items() if p.too_old(now, self.max_wait_s)]:
                 del self._waiting[stale]
+            for stale in [t for t, at in self._withdrawn.items() if now - at > self.max_wait_s]:
+                del self._withdrawn[stale]
 
     def keep_waiting(self, registration: dict[str, Any], transfer_id: str, now: float) -> None:
         """The request has finished but its blocks have not reached the matcher's caller yet: hold the
@@ -97,10 +139,11 @@ class PushMatcher:
             if transfer_id is not None:
                 self._request_of.pop(transfer_id, None)
                 self._waiting.pop(transfer_id, None)
+                self._written.discard(transfer_id)
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._transfer_of) + len(self._waiting)
+            return len(self._transfer_of) + len(self._waiting) + len(self._written) + len(self._withdrawn)
 
 
 @dataclass

@@ -8,6 +8,7 @@ ingress wrote into `kv_transfer_params`. What this adds on top of vLLM:
 - each pending decode-side receive is tagged with its mode for the worker (metadata `transfer_modes`);
 - a step with no model work pauses briefly (see `IDLE_STEP_PAUSE_S`);
 - a pull request reaching decode too late to read its KV is failed (or recomputed, per policy), never read;
+- a push request that ends while decode waits for its WRITE withdraws its registration (see kv/push_matching.py);
 - the answer of a finished request states the mode that was really used and its transfer id.
 
 vLLM internals relied on: the per-request hooks of both classes, `_push_pending_registrations`, `_reqs_need_recv`,
@@ -24,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 from vllm.logger import init_logger
 
+from kv.push_matching import withdrawal_of
 from kv.step_spin import limit_step_spin
 from kv.transfer_params import LEASE_EXPIRES_AT_KEY, MODE_KEY, TRANSFER_ID_KEY
 
@@ -54,6 +56,9 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         self._finished_push_ids: dict[str, str] = {}
         # Decode side: pull requests that arrived too close to their lease's end to read (see `on_new_request`).
         self._expired_pulls: set[str] = set()
+        # Decode side: the registration of each unfinished push request, and withdrawals for the worker to send.
+        self._registration_of: dict[str, dict[str, Any]] = {}
+        self._withdrawals: dict[str, dict[str, Any]] = {}
         # Once decode has a pull request, its heartbeats extend prefill's lease; the first one goes out within a
         # heartbeat interval. A request arriving later than this before the lease ends may find its blocks freed.
         self._lease_margin_s = self._heartbeat_interval + 1.0
@@ -92,6 +97,7 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         registration = self._push_pending_registrations.get(request.request_id)
         if registration is not None:
             registration[TRANSFER_ID_KEY] = request.kv_transfer_params.get(TRANSFER_ID_KEY)
+            self._registration_of[request.request_id] = registration
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
@@ -100,6 +106,9 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         if request.request_id in self._newly_finished_push_blocks:
             self._finished_push_ids[request.request_id] = params.get(TRANSFER_ID_KEY)
         self._expired_pulls.discard(request.request_id)
+        registration = self._registration_of.pop(request.request_id, None)
+        if registration is not None:  # the worker sends it only if the receive is still waiting for its WRITE
+            self._withdrawals[request.request_id] = withdrawal_of(registration)
         if answer is not None:
             answer[MODE_KEY] = transfer_mode(params)
             if delay_free and transfer_mode(params) == "pull":  # prefill holds the blocks for a reader, for a lease
@@ -117,6 +126,7 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         meta.transfer_modes = {rid: self._recv_modes.pop(rid, "pull") for rid in meta.reqs_to_recv}
         meta.push_transfer_ids = {rid: self._finished_push_ids.pop(rid) for rid in meta.push_finished_blocks}
         meta.expired_pulls = {rid for rid in meta.reqs_to_recv if rid in self._expired_pulls}
+        meta.push_withdrawals, self._withdrawals = self._withdrawals, {}
         self._expired_pulls -= meta.expired_pulls
         if scheduler_output.total_num_scheduled_tokens == 0:
             time.sleep(IDLE_STEP_PAUSE_S)

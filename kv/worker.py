@@ -7,14 +7,19 @@ one agent, one set of registered KV regions and one handshake table. What this c
 - Push registrations are matched to finished prefill blocks by the ingress's transfer id, on the writer thread.
 - A push receive whose WRITE does not arrive by its deadline fails; vLLM's `kv_load_failure_policy` then fails the
   request or recomputes the prompt locally.
+- A push request that ends while decode waits for its WRITE (client gone) withdraws its registration: prefill
+  answers that no WRITE will come, and decode frees the blocks then rather than at the deadline.
 - The engine keeps the CPU cores it was given (vLLM's worker re-pins the engine thread to the last core), and the
   agent runs without NIXL's busy-polling progress thread unless configured: the engines' own steps and the writer
-  thread drive transfers, so an idle engine burns no CPU. (Steps with no model work are paced by the scheduler.)
+  thread drive transfers, so an idle engine burns next to no CPU: its writer thread checks for notices every
+  `NOTICE_POLL_S`. (Steps with no model work are paced by the scheduler.)
 - Handshakes are always full (descriptors included): a peer reached first for a push may later be read from.
 
 vLLM internals relied on: `_ensure_handshake`, `_handle_push_reg_notif`, `_pop_matching_registration`,
 `_push_finished_blocks`, `_pending_d_registrations`, `_recving_metadata`, `_failed_recv_reqs`, `_sending_transfers`,
-`_recving_transfers`, `xfer_stats` and the push/pull `start_load_kv` split of `NixlConnectorMetadata`.
+`_recving_transfers`, `_send_registration_to_p`, `_do_send_reg_notif`, `_reg_send_inbox`, `_remote_agents`,
+`tp_mappings`, `xfer_stats`, the push/pull `start_load_kv` split of `NixlConnectorMetadata`, and the format of a
+WRITE's completion notice (`<decode request id>:<prefill TP size>`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import copy
 import os
 import queue
 import sys
+import threading
 import time
 import uuid
 
@@ -34,13 +40,17 @@ from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
 from vllm.logger import init_logger
 
 from kv.mode_stats import DualModeStats
-from kv.push_matching import PushMatcher, ReceiveDeadlines, write_window
+from kv.push_matching import WITHDRAW_KEY, PushMatcher, ReceiveDeadlines, write_window
 from kv.step_spin import limit_step_spin
 from kv.transfer_params import TRANSFER_ID_KEY
 
 logger = init_logger(__name__)
 
 DEFAULT_PUSH_TIMEOUT_S = 20.0
+# vLLM's writer thread reads NIXL notices when an engine step wakes it, so an idle engine (say, a prefill whose
+# request was just aborted) would not read a decode engine's withdrawal until its next request. Waking it this
+# often bounds that; each wake only checks for notices.
+NOTICE_POLL_S = 0.05
 # Stamped into each push registration as it arrives at prefill (monotonic seconds); never sent anywhere.
 RECEIVED_AT_KEY = "_received_at"
 
@@ -73,6 +83,13 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
         self._push_matcher = PushMatcher(max_wait_s=write_window(push_timeout_s))
         # Decode side, main thread only.
         self._push_deadlines = ReceiveDeadlines(timeout_s=push_timeout_s)
+        # Decode side, writer thread only: receives withdrawn while their registration waited for a handshake.
+        self._withdrawn_unsent: set[str] = set()
+        threading.Thread(target=self._wake_writer_periodically, daemon=True, name="nixl-notice-poll").start()
+
+    def _wake_writer_periodically(self) -> None:
+        while not self._push_writer_stop.wait(NOTICE_POLL_S):
+            self._push_writer_wake.set()
 
     def _ensure_handshake(self, engine_id, host, port, tp_size, dcp_size=1, pp_size=1, notif_agents_only=False):
         return super()._ensure_handshake(engine_id, host, port, tp_size, dcp_size, pp_size, notif_agents_only=False)
@@ -89,6 +106,7 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
             "push_blocks_awaiting_registration": len(self._push_finished_blocks),
             "push_matcher_entries": len(self._push_matcher),
             "push_deadlines": len(self._push_deadlines),
+            "push_withdrawn_unsent": len(self._withdrawn_unsent),
         }
 
     # -- engine main thread ------------------------------------------------------------------------------------
@@ -127,9 +145,17 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
         push_view.reqs_to_send, push_view.heartbeat_by_engine = {}, {}
         NixlPushConnectorWorker.start_load_kv(self, push_view)
 
+        # After this step's registrations: the writer thread sends messages in the order they are queued.
+        for rid, withdrawal in getattr(metadata, "push_withdrawals", {}).items():
+            if self._waits_for_write(rid):
+                self._reg_send_inbox.put((rid, withdrawal))
+                self._push_writer_wake.set()
+
+    def _waits_for_write(self, request_id: str) -> bool:
+        return request_id in self._recving_metadata and request_id not in self._recving_transfers
+
     def get_transfer_results(self):
-        waiting = lambda rid: rid in self._recving_metadata and rid not in self._recving_transfers  # noqa: E731
-        for rid in self._push_deadlines.expired(time.monotonic(), waiting):
+        for rid in self._push_deadlines.expired(time.monotonic(), self._waits_for_write):
             logger.warning("push receive %s got no WRITE within %.1f s", rid, self._push_deadlines.timeout_s)
             self.xfer_stats.record_push_timeout()
             self._failed_recv_reqs.put(rid)  # vLLM then fails the request or recomputes, per kv_load_failure_policy
@@ -184,6 +210,56 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
 
     # -- writer thread -----------------------------------------------------------------------------------------
 
+    def _send_registration_to_p(self, req_id: str, reg_data: dict) -> None:
+        """Decode side: send a registration, or a withdrawal of one (a request that ended while it waited)."""
+        self._withdrawn_unsent = {rid for rid in self._withdrawn_unsent if rid in self._recving_metadata}
+        if reg_data.get(WITHDRAW_KEY):
+            with self._handshake_lock:
+                reached = bool(self._remote_agents.get(reg_data["remote_engine_id"]))
+            if reached:  # the registration went out before this: prefill answers (kv/push_matching.py)
+                self._do_send_reg_notif(req_id, reg_data)
+            else:  # the registration still waits for its handshake: it will not be sent
+                self._withdrawn_unsent.add(req_id)
+            return
+        if req_id in self._withdrawn_unsent:  # no registration went out, so no WRITE can come: free at once
+            self._withdrawn_unsent.discard(req_id)
+            self._failed_recv_reqs.put(req_id)
+            return
+        super()._send_registration_to_p(req_id, reg_data)
+
+    def _answer_withdrawal(self, withdrawal: dict) -> None:
+        """Prefill side: decode withdrew a registration. Unless its WRITE was posted already, promise that none
+        will be, and tell each decode rank this engine would have written, with the notice that completes a
+        WRITE: decode counts it the same way, and its request has ended, so nothing reads those blocks."""
+        if not self._push_matcher.withdraw(withdrawal[TRANSFER_ID_KEY], time.monotonic()):
+            return  # the WRITE's own notices end decode's receive
+        self.xfer_stats.record_push_withdrawn()
+        decode_engine_id = withdrawal["decode_engine_id"]
+
+        def notify(handshake=None) -> None:
+            if handshake is not None and handshake.exception() is not None:
+                return  # decode unreachable: its deadline frees the blocks
+            notice = f"{withdrawal['request_id']}:{self.world_size}".encode()
+            with self._handshake_lock:
+                agents = dict(self._remote_agents.get(decode_engine_id) or {})
+            for rank in self._decode_ranks_written(decode_engine_id):
+                self.nixl_wrapper.send_notif(agents[(0, rank)], notif_msg=notice)  # keyed (PP rank, TP rank)
+
+        handshake = self._ensure_handshake(decode_engine_id, withdrawal["decode_host"], withdrawal["decode_port"],
+                                           withdrawal["decode_tp_size"])
+        if handshake is None:
+            notify()
+        else:
+            handshake.add_done_callback(notify)
+
+    def _decode_ranks_written(self, decode_engine_id: str) -> list[int]:
+        """The decode ranks this engine's WRITEs go to, as vLLM's push worker picks them (`_xfer_blocks_for_req`):
+        MLA models replicate their latent KV to every decode rank, other models follow the TP mapping."""
+        remote_tp = self.transfer_topo.get_engine_info(decode_engine_id).remote_tp_size
+        if self.use_mla and self.transfer_topo.tp_ratio(remote_tp) < 0 and not self._has_mamba:
+            return sorted(self.dst_xfer_side_handles[decode_engine_id])
+        return list(self.tp_mappings[decode_engine_id].all_source_ranks)
+
     def _pop_matching_registration(self, request_id: str):
         """Finished prefill blocks arrived: the registration with the same transfer id, if decode sent it already."""
         match = self._push_matcher.take_registration(request_id, time.monotonic())
@@ -204,6 +280,8 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
                            request_id, age_s, self._push_matcher.max_wait_s)
             self.xfer_stats.record_write_window_missed()
             return
+        if not self._push_matcher.claim_write(registration_data[TRANSFER_ID_KEY]):
+            return  # decode withdrew it and was told no WRITE would come
         super()._do_start_push_kv(request_id, local_block_ids, registration_data)
 
     def _handle_push_reg_notif(self, notif: bytes) -> None:
@@ -213,6 +291,9 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
             transfer_id = registration[TRANSFER_ID_KEY]
         except Exception:  # noqa: BLE001 -- a malformed peer message must not stop the writer thread
             logger.exception("dropping a malformed push registration")
+            return
+        if registration.get(WITHDRAW_KEY):
+            self._answer_withdrawal(registration)
             return
         now = time.monotonic()
         registration[RECEIVED_AT_KEY] = now  # local only: when this engine learned of it

@@ -238,6 +238,28 @@ def test_client_abort_leaves_no_kv_blocks_in_use(app, mode, when):
     assert _complete(app, CASES[0], mode)["choices"][0]["finish_reason"] == "length"
 
 
+def test_push_abandoned_while_waiting_for_its_write_frees_decode_at_once(app, tokenizer):
+    """Decode registered its blocks with prefill, then its caller went away: decode withdraws the registration and
+    frees the blocks on prefill's answer, long before its push deadline. Prefill, idle meanwhile, then gets the
+    request after all: it must not WRITE into the blocks decode freed."""
+    prefill_leg, decode_leg = _legs(app, tokenizer, CASES[2])
+    before = app.totals()
+    stream = app.handles["decode"].options(stream=True).generate.remote(decode_leg)
+    assert wait_until(app.loads, lambda l: l["decode"]["kv_cache_usage"] > 0, timeout_s=10)["decode"]["kv_cache_usage"] > 0
+    stream.cancel()
+    cancelled = time.monotonic()
+    loads = app.wait_until_idle(timeout_s=PUSH_TIMEOUT_S)
+    assert loads["decode"]["kv_cache_usage"] == 0
+    assert time.monotonic() - cancelled < PUSH_TIMEOUT_S / 4
+    _run_prefill(app, prefill_leg)  # holds its blocks under lease: the withdrawn registration is gone
+    app.wait_until_idle(LEASE_S + 10)
+    grew = app.growth(before, app.wait_for_totals(
+        lambda t: t["prefill"]["kv_transfers"].get("kv_expired_reqs", 0)
+        > before["prefill"]["kv_transfers"].get("kv_expired_reqs", 0)))
+    assert grew["prefill"]["push_withdrawn"] == 1 and grew["prefill"]["push_transfers"] == 0
+    assert grew["decode"]["push_timeouts"] == 0 and grew["prefill"]["kv_expired_reqs"] == 1
+
+
 def test_idle_engines_hold_no_transfer_state(app):
     """Last in this module, after its aborts, lease expiries and push timeouts: once the engines are idle, neither
     connector still tracks any request (kv/worker.py `pending_counts`). Registrations for push requests that prefill

@@ -90,3 +90,39 @@ def test_a_registration_inside_the_write_window_is_written():
     matcher.registration_arrived(registration("t1"), "t1", now=0.0)
     matcher.request_finished("prefill-1", "t1")
     assert matcher.take_registration("prefill-1", now=write_window(10) - 0.01)[0] == registration("t1")
+
+
+def test_a_withdrawn_registration_is_never_written():
+    matcher = PushMatcher(max_wait_s=8)
+    matcher.registration_arrived(registration("t1"), "t1", now=0.0)
+    assert matcher.withdraw("t1", now=1.0)  # no WRITE was posted: decode may free its blocks
+    matcher.request_finished("prefill-1", "t1")  # prefill finishes afterwards
+    assert matcher.take_registration("prefill-1", now=1.5) is None
+    assert not matcher.claim_write("t1")
+
+
+def test_a_withdrawal_that_overtakes_its_registration_still_stops_it():
+    matcher = PushMatcher(max_wait_s=8)
+    assert matcher.withdraw("t1", now=0.0)
+    assert matcher.registration_arrived(registration("t1"), "t1", now=0.1) is None
+    matcher.request_finished("prefill-1", "t1")
+    assert matcher.take_registration("prefill-1", now=0.2) is None
+
+
+def test_a_withdrawal_after_the_write_was_posted_is_refused():
+    """The WRITE is on its way: decode must wait for its completion, not free its blocks now."""
+    matcher = PushMatcher(max_wait_s=8)
+    matcher.request_finished("prefill-1", "t1")
+    assert matcher.claim_write("t1")
+    assert not matcher.withdraw("t1", now=0.0)
+    matcher.forget("prefill-1")
+    assert len(matcher) == 0
+
+
+def test_withdrawals_are_pruned_after_the_write_window():
+    matcher = PushMatcher(max_wait_s=8)
+    matcher.withdraw("t1", now=0.0)
+    matcher.prune(now=7.0)
+    assert len(matcher) == 1
+    matcher.prune(now=8.5)
+    assert len(matcher) == 0
