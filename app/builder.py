@@ -14,6 +14,9 @@ from app.engine_server import DecodeServer, EngineServer, PrefillServer
 from app.ingress import OpenAIIngress
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# How often Serve asks an engine replica whether it is alive (its default is 10 s). A dead replica is seen by the
+# ingress only after this, and requests for its leg wait meanwhile; the check is one cheap call to the engine.
+ENGINE_HEALTH_CHECK_PERIOD_S = 2
 
 
 def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve.Deployment:
@@ -31,7 +34,8 @@ def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve
     else:
         # The engine runs in the replica's process and children, which stay inside the actor's bundle 0.
         actor_options = {"num_cpus": bundles[0].get("CPU", 0), "num_gpus": 0, **actor_options}
-    options = {"max_ongoing_requests": engine.max_num_seqs, **engine.deployment_config}
+    options = {"max_ongoing_requests": engine.max_num_seqs, "health_check_period_s": ENGINE_HEALTH_CHECK_PERIOD_S,
+               **engine.deployment_config}
     options.pop("ray_actor_options", None)
     return serve.deployment(server).options(
         **options,

@@ -182,5 +182,7 @@ def test_ingress_replicas_share_the_decode_capacity_and_explicit_options_win():
     raw["ingress"]["deployment_config"] = {"num_replicas": 2, "max_queued_requests": 7}
     options = ingress_options(PDAppConfig.model_validate(raw))
     assert options["max_ongoing_requests"] == 48 and options["max_queued_requests"] == 7
-    raw["decode"]["deployment_config"]["max_ongoing_requests"] = 5
-    assert engine_deployment(DecodeServer, PDAppConfig.model_validate(raw).decode).max_ongoing_requests == 5
+    assert engine_deployment(DecodeServer, PDAppConfig.model_validate(raw).decode)._deployment_config.health_check_period_s == 2
+    raw["decode"]["deployment_config"].update(max_ongoing_requests=5, health_check_period_s=7)
+    decode = engine_deployment(DecodeServer, PDAppConfig.model_validate(raw).decode)
+    assert decode.max_ongoing_requests == 5 and decode._deployment_config.health_check_period_s == 7
