@@ -86,6 +86,7 @@ def reference_outputs(tokenizer, tmp_path_factory) -> dict[str, dict[str, Any]]:
 class RunningApp:
     base_url: str
     handles: dict[str, Any]
+    metrics_url: str  # Ray's Prometheus export for this node
 
     def engine_call(self, role: str, method: str) -> Any:
         return getattr(self.handles[role], method).remote().result()
@@ -168,15 +169,17 @@ def app(reference_outputs) -> RunningApp:
     from app.builder import build_app
     from kv.engine_identity import free_port
 
-    port = free_port("127.0.0.1")
+    port, metrics_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     # Two cores, plus one logical CPU for the short-lived extra decode engine of the recompute test (it shares core 1).
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING")
+    # Metrics are exported each second rather than every ten, so that a test sees them soon after requests.
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING", _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_config()), name=APP_NAME, route_prefix="/")
         handles = {role: serve.get_deployment_handle(f"{role.capitalize()}Server", app_name=APP_NAME)
                    for role in ROLES}
-        yield RunningApp(f"http://127.0.0.1:{port}", handles)
+        yield RunningApp(f"http://127.0.0.1:{port}", handles, f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         serve.shutdown()
         ray.shutdown()
