@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import os
 import logging
 import uuid
-from typing import AsyncGenerator, AsyncIterator, TypeVar
+from dataclasses import dataclass
+from typing import AsyncGenerator, AsyncIterator
 
-from pydantic import ValidationError
 from ray import serve
-from ray.util import metrics
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from app.config import PDAppConfig
 from app.engine_protocol import EngineChunk, EngineRequest
+from app.ingress_metrics import IngressMetrics
 from app.leg_health import LegHealth
 from app.openai_protocol import (
     APIError,
@@ -29,6 +30,8 @@ from app.openai_protocol import (
     CompletionRequest,
     ResponseWriter,
     SamplingFields,
+    as_request,
+    validated,
 )
 from app.request_flow import RequestFlow, UnsupportedMode
 from app.timeline import RequestTimeline
@@ -39,7 +42,6 @@ logger = logging.getLogger("ray.serve")
 MODE_HEADER = "x-kv-transfer-mode"
 # A client that sends `x-pd-timings: 1` gets the request's timeline (app/timeline.py) in the response.
 TIMINGS_HEADER = "x-pd-timings"
-Body = TypeVar("Body", bound=SamplingFields)
 # A replacement engine replica takes a minute or more to start; clients that honour Retry-After come back then.
 RETRY_LATER = {"Retry-After": "10"}
 
@@ -62,7 +64,7 @@ def _refuse_constant(name: str) -> None:
     raise APIError(400, f"request body is not valid JSON: {name} is not a number")
 
 
-async def _parse(request: Request, model: type[Body], limit: int) -> Body:
+async def _parse(request: Request, model: type[SamplingFields], limit: int) -> SamplingFields:
     body = await _read_body(request, limit)
     try:
         raw = json.loads(body, parse_constant=_refuse_constant)
@@ -72,12 +74,7 @@ async def _parse(request: Request, model: type[Body], limit: int) -> Body:
         raise APIError(400, f"request body is not valid JSON: {e}") from e
     if not isinstance(raw, dict):
         raise APIError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from e
+    return validated(model, raw)
 
 
 def _sse(body: dict) -> str:
@@ -103,10 +100,7 @@ class OpenAIIngress:
         # No token spans more characters than the longest vocabulary entry, so a prompt longer than the context
         # times that cannot fit, and is refused before anyone spends time tokenizing it.
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
-        self.phase_seconds = metrics.Histogram(
-            "pd_request_phase_seconds", description="Time a request spent in each phase (app/timeline.py), by mode.",
-            boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
-            tag_keys=("phase", "mode"))
+        self.metrics = IngressMetrics()
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(routes=[
@@ -147,34 +141,68 @@ class OpenAIIngress:
         return JSONResponse({"status": "ok", "load": loads, "replicas": replicas})
 
     async def completions(self, request: Request) -> Response:
-        timeline = RequestTimeline()
-        self._authorize(request)
-        body = await _parse(request, CompletionRequest, self.max_request_bytes)
-        self._check_model(body.model)
-        mode = await self._mode(request)
-        if isinstance(body.prompt, str):
-            await self._check_text_can_fit(len(body.prompt))
-            prompt_ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)  # off the event loop
-        else:
-            prompt_ids = self._checked_token_ids(body.prompt)
-        return await self._respond(request, body, mode, prompt_ids, f"cmpl-{uuid.uuid4().hex}", False, timeline)
+        return await self._http(request, CompletionRequest)
 
     async def chat_completions(self, request: Request) -> Response:
+        return await self._http(request, ChatCompletionRequest)
+
+    async def _http(self, request: Request, model: type[SamplingFields]) -> Response:
         timeline = RequestTimeline()
-        self._authorize(request)
-        body = await _parse(request, ChatCompletionRequest, self.max_request_bytes)
-        self._check_model(body.model)
-        mode = await self._mode(request)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        await self._check_text_can_fit(sum(len(m["content"]) for m in messages))
-        prompt_ids = await asyncio.to_thread(self._chat_prompt, messages)  # off the event loop
-        return await self._respond(request, body, mode, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", True, timeline)
+        with self._counting_refusals():
+            self._authorize(request)
+            body = await _parse(request, model, self.max_request_bytes)
+            report_timings = request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true")
+            admitted = await self._admit(body, request.headers.get(MODE_HEADER), report_timings, timeline)
+        headers = {MODE_HEADER: admitted.mode}
+        if body.stream:
+            return StreamingResponse(self._sse(admitted), media_type="text/event-stream", headers=headers)
+        return JSONResponse(await self._whole(admitted), headers=headers)
+
+    # -- Python handle API: for other Serve apps and Ray tasks (`serve.get_app_handle(...)`; README) ---------------
+
+    def transfer_modes(self) -> dict:
+        """The modes this app serves and the one a request without a mode gets."""
+        return {"modes": list(self.flow.modes), "default": self.flow.default_mode}
+
+    async def create(self, request: CompletionRequest | ChatCompletionRequest | dict, mode: str | None = None,
+                     timings: bool = False) -> dict:
+        """The response body `POST /v1/completions` or `/v1/chat/completions` would return, for a request model or
+        its dict (a dict with `messages` is a chat request). `mode` picks the transfer mode as the
+        `x-kv-transfer-mode` header does. Errors raise APIError, with the status HTTP would answer."""
+        timeline = RequestTimeline()
+        with self._counting_refusals():
+            body = as_request(request)
+            if body.stream:
+                raise APIError(400, "stream is true: call create_stream with handle.options(stream=True)",
+                               param="stream")
+            admitted = await self._admit(body, mode, timings, timeline)
+        return await self._whole(admitted)
+
+    async def create_stream(self, request: CompletionRequest | ChatCompletionRequest | dict, mode: str | None = None,
+                            timings: bool = False) -> AsyncIterator[dict]:
+        """The chunk bodies HTTP would stream (without the `data:` framing and `[DONE]`), through
+        `handle.options(stream=True)`. A failure after the first chunk raises APIError from the stream. Cancelling
+        the call aborts the request's legs."""
+        timeline = RequestTimeline()
+        with self._counting_refusals():
+            admitted = await self._admit(as_request(request), mode, timings, timeline)
+        async for body in self._stream(admitted):
+            yield body
 
     def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- shared ----------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _counting_refusals(self):
+        """A request refused before it starts is counted as such (app/ingress_metrics.py)."""
+        try:
+            yield
+        except APIError as e:
+            self.metrics.refused(e.status)
+            raise
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -216,11 +244,11 @@ class OpenAIIngress:
             )
         return requested or room
 
-    async def _mode(self, request: Request) -> TransferMode:
+    async def _mode(self, requested: str | None) -> TransferMode:
         """The request's transfer mode, if every leg it needs has a running replica (else a 503 at once: queued in
         Serve's router, it would wait for a replacement replica, which takes minutes to start an engine)."""
         try:
-            mode = self.flow.choose_mode(request.headers.get(MODE_HEADER))
+            mode = self.flow.choose_mode(requested)
         except UnsupportedMode as e:
             raise APIError(400, str(e), param=MODE_HEADER) from e
         if down := await self.leg_health.down(("decode",) if mode == "local" else ("prefill", "decode")):
@@ -228,55 +256,79 @@ class OpenAIIngress:
                            "service_unavailable", code="engine_unavailable", headers=RETRY_LATER)
         return mode
 
-    async def _respond(self, http_request: Request, body: SamplingFields, mode: TransferMode, prompt_ids: list[int],
-                       request_id: str, chat: bool, timeline: RequestTimeline) -> Response:
+    async def _prompt_ids(self, body: SamplingFields) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            await self._check_text_can_fit(sum(len(m["content"]) for m in messages))
+            return await asyncio.to_thread(self._chat_prompt, messages)  # off the event loop
+        if isinstance(body.prompt, str):
+            await self._check_text_can_fit(len(body.prompt))
+            return await asyncio.to_thread(self.tokenizer.encode, body.prompt)  # off the event loop
+        return self._checked_token_ids(body.prompt)
+
+    async def _admit(self, body: SamplingFields, requested_mode: str | None, report_timings: bool,
+                     timeline: RequestTimeline) -> Admitted:
+        """Checks the request (model, mode, prompt, length) and starts it."""
+        self._check_model(body.model)
+        mode = await self._mode(requested_mode)
+        prompt_ids = await self._prompt_ids(body)
         max_tokens = await self._checked_max_tokens(body, len(prompt_ids))
+        chat = isinstance(body, ChatCompletionRequest)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens))
-        writer = ResponseWriter(request_id, self.model_id, chat, body.return_token_ids)
-        output = RequestOutput(len(prompt_ids), timeline, mode, self.phase_seconds,
-                               http_request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true"))
-        chunks = self.flow.stream(engine_request, mode, timeline)
-        headers = {MODE_HEADER: mode}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse_stream(chunks, writer, output, include_usage),
-                                     media_type="text/event-stream", headers=headers)
+        return Admitted(
+            chunks=self.flow.stream(engine_request, mode, timeline),
+            writer=ResponseWriter(request_id, self.model_id, chat, body.return_token_ids),
+            output=RequestOutput(len(prompt_ids), timeline, report_timings),
+            mode=mode,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        )
+
+    async def _run(self, admitted: Admitted) -> AsyncIterator[EngineChunk]:
+        """The request's chunks, recorded in its output: APIError 504 past the time limit, 500 if it fails. However
+        this ends (finished, failed, timed out, the caller gone), the request's legs are aborted then."""
+        outcome = "cancelled"  # unless it gets further than the caller did
+        self.metrics.started(admitted.mode)
         try:
             async with asyncio.timeout(self.timeout_s):
-                async for chunk in chunks:
-                    output.add(chunk)
+                async for chunk in admitted.chunks:
+                    admitted.output.add(chunk)
+                    yield chunk
+            outcome = "ok"
         except TimeoutError as e:
+            outcome = "timeout"
             raise APIError(504, f"request did not finish within {self.timeout_s} s", "timeout_error") from e
         except Exception as e:
-            logger.exception("request %s failed", request_id)
-            raise APIError(500, f"request failed: {e}", "server_error") from e
+            outcome = "error"
+            logger.exception("request %s failed", admitted.writer.request_id)
+            raise APIError(500, f"request failed: {e!r}", "server_error") from e
         finally:
-            await chunks.aclose()  # whatever ended the loop, the request's legs are aborted now
-        result = writer.whole(output.text, output.token_ids, output.finish_reason, output.num_prompt_tokens,
-                              output.num_cached_tokens)
-        return JSONResponse({**result, **output.timings()}, headers=headers)
+            await admitted.chunks.aclose()
+            self.metrics.finished(admitted.mode, outcome, admitted.output.timeline, len(admitted.output.token_ids))
 
-    async def _sse_stream(self, chunks: AsyncGenerator[EngineChunk, None], writer: ResponseWriter, output: RequestOutput,
-                          include_usage: bool) -> AsyncIterator[str]:
-        failed = False
+    async def _whole(self, admitted: Admitted) -> dict:
+        async for _ in self._run(admitted):
+            pass
+        output = admitted.output
+        result = admitted.writer.whole(output.text, output.token_ids, output.finish_reason, output.num_prompt_tokens,
+                                       output.num_cached_tokens)
+        return {**result, **output.timings()}
+
+    async def _stream(self, admitted: Admitted) -> AsyncIterator[dict]:
+        writer, output = admitted.writer, admitted.output
+        async for chunk in self._run(admitted):
+            yield writer.chunk(chunk)
+        if admitted.include_usage:
+            yield writer.usage_chunk(output.num_prompt_tokens, len(output.token_ids), output.num_cached_tokens)
+        if timings := output.timings():
+            yield {"id": writer.request_id, "object": "pd.timings", **timings}
+
+    async def _sse(self, admitted: Admitted) -> AsyncIterator[str]:
         try:
-            async with asyncio.timeout(self.timeout_s):
-                async for chunk in chunks:
-                    output.add(chunk)
-                    yield _sse(writer.chunk(chunk))
-        except Exception as e:  # the status line is already sent: report the failure in the stream itself
-            logger.exception("stream %s failed", writer.request_id)
-            kind = "timeout_error" if isinstance(e, TimeoutError) else "server_error"
-            yield _sse(APIError(500, f"request failed: {e!r}", kind).body())
-            failed = True
-        finally:
-            await chunks.aclose()  # also when the client went away: the request's legs are aborted now
-        if not failed:
-            if include_usage:
-                yield _sse(writer.usage_chunk(output.num_prompt_tokens, len(output.token_ids),
-                                                   output.num_cached_tokens))
-            if timings := output.timings():
-                yield _sse({"id": writer.request_id, "object": "pd.timings", **timings})
+            async for body in self._stream(admitted):
+                yield _sse(body)
+        except APIError as e:  # the status line is already sent: report the failure in the stream itself
+            yield _sse(e.body())
         yield "data: [DONE]\n\n"
 
 
@@ -289,13 +341,22 @@ def _api_key(env_var: str | None) -> str | None:
     return key
 
 
+@dataclass
+class Admitted:
+    """A request that passed its checks and started: its chunks, and what its answer is built with."""
+
+    chunks: AsyncGenerator[EngineChunk, None]
+    writer: ResponseWriter
+    output: RequestOutput
+    mode: TransferMode
+    include_usage: bool
+
+
 class RequestOutput:
     """What one request has produced so far, and the stamps of its first tokens going out."""
 
-    def __init__(self, num_prompt_tokens: int, timeline: RequestTimeline, mode: TransferMode, phase_seconds,
-                 report_timings: bool):
-        self.num_prompt_tokens, self.timeline, self.mode = num_prompt_tokens, timeline, mode
-        self.phase_seconds, self.report_timings = phase_seconds, report_timings
+    def __init__(self, num_prompt_tokens: int, timeline: RequestTimeline, report_timings: bool):
+        self.num_prompt_tokens, self.timeline, self.report_timings = num_prompt_tokens, timeline, report_timings
         self.text, self.token_ids, self.finish_reason, self.num_cached_tokens = "", [], None, 0
 
     def add(self, chunk: EngineChunk) -> None:
@@ -305,9 +366,6 @@ class RequestOutput:
         self.token_ids += chunk.token_ids
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
-        if chunk.finish_reason is not None:
-            for phase, seconds in self.timeline.phases().items():
-                self.phase_seconds.observe(seconds, tags={"phase": phase, "mode": self.mode})
 
     def timings(self) -> dict:
         return {"pd_timings": self.timeline.report()} if self.report_timings else {}

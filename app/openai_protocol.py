@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from vllm import SamplingParams
 
 from app.engine_protocol import EngineChunk
@@ -39,6 +39,9 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def __reduce__(self):  # whole across Ray, to callers of the handle API
+        return APIError, (self.status, self.message, self.type, self.param, self.code, self.headers)
 
 
 class StreamOptions(BaseModel):
@@ -192,3 +195,22 @@ class ResponseWriter:
         body = self._envelope(object_, self._choice(text, token_ids, finish_reason, False))
         body["usage"] = usage(prompt_tokens, len(token_ids), cached_tokens)
         return body
+
+
+def validated(model: type[SamplingFields], raw: dict[str, Any]) -> SamplingFields:
+    """`raw` as `model`, or a 400 naming the first field at fault."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from e
+
+
+def as_request(request: SamplingFields | dict[str, Any]) -> SamplingFields:
+    """A request model as given, or its dict validated (a dict with `messages` is a chat request)."""
+    if isinstance(request, (CompletionRequest, ChatCompletionRequest)):
+        return request
+    if not isinstance(request, dict):
+        raise APIError(400, f"expected a CompletionRequest, ChatCompletionRequest or dict, got {type(request).__name__}")
+    return validated(ChatCompletionRequest if "messages" in request else CompletionRequest, request)
