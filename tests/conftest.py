@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -87,6 +89,7 @@ class RunningApp:
     base_url: str
     handles: dict[str, Any]
     metrics_url: str  # Ray's Prometheus export for this node
+    dashboard_url: str  # Ray's dashboard, which takes job submissions
 
     def engine_call(self, role: str, method: str) -> Any:
         return getattr(self.handles[role], method).remote().result()
@@ -135,6 +138,13 @@ def wait_until(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: 
         time.sleep(0.05)
 
 
+def readme_example(name: str, language: str = "python") -> str:
+    """The code block that follows `<!-- example: name -->` in README.md: the tests run README's examples."""
+    found = re.search(rf"<!-- example: {name} -->\n```{language}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert found, f"README.md has no {language} example {name!r}"
+    return found.group(1)
+
+
 def app_config(**transfer) -> dict:
     """The CPU default config with the tests' short lifetimes, and any other transfer settings given."""
     config = yaml.safe_load(CPU_CONFIG.read_text())
@@ -169,17 +179,21 @@ def app(reference_outputs) -> RunningApp:
     from app.builder import build_app
     from kv.engine_identity import free_port
 
-    port, metrics_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    port, metrics_port, dashboard_port = (free_port("127.0.0.1") for _ in range(3))
+    # Jobs submitted to this cluster run `python` as a user's shell would find it: this venv's.
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     # Two cores, plus one logical CPU for the short-lived extra decode engine of the recompute test (it shares core 1).
     # Metrics are exported each second rather than every ten, so that a test sees them soon after requests.
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING", _metrics_export_port=metrics_port,
+    ray.init(num_cpus=3, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
+             logging_level="WARNING", _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_config()), name=APP_NAME, route_prefix="/")
         handles = {role: serve.get_deployment_handle(f"{role.capitalize()}Server", app_name=APP_NAME)
                    for role in ROLES}
-        yield RunningApp(f"http://127.0.0.1:{port}", handles, f"http://127.0.0.1:{metrics_port}/metrics")
+        yield RunningApp(f"http://127.0.0.1:{port}", handles, f"http://127.0.0.1:{metrics_port}/metrics",
+                         f"http://127.0.0.1:{dashboard_port}")
     finally:
         serve.shutdown()
         ray.shutdown()

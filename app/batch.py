@@ -1,0 +1,129 @@
+"""A batch of requests through a running deployment, as a Ray job:
+
+    ray job submit --working-dir . -- python -m app.batch --input prompts.jsonl --output /tmp/results.jsonl
+
+Input: one request per line in OpenAI's batch format, `{"custom_id": ..., "url": "/v1/chat/completions" or
+"/v1/completions", "body": {...}}`, optionally with `"kv_transfer_mode"` (else `--mode`, else the app's default).
+Each request goes through the app's handle API (`create_stream`), at most `--concurrency` at a time. Output: one
+line per request, in the order they finish: custom_id, mode, status, text, finish reason, token counts (prompt,
+completion, and prompt tokens that arrived by KV transfer), time to first token and total time; or the error. A
+summary follows on stdout, and the exit status is 1 if any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from app.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validated
+
+ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def parse_line(number: int, line: str) -> tuple[str, Any, str | None]:
+    """(custom_id, request model, mode) of one input line; APIError 400 if it is not a valid request."""
+    try:
+        item = json.loads(line)
+    except ValueError as e:
+        raise APIError(400, f"line {number} is not valid JSON: {e}") from e
+    if not isinstance(item, dict) or not isinstance(item.get("body"), dict):
+        raise APIError(400, f"line {number} needs a JSON object with a `body` object")
+    url = item.get("url", "/v1/chat/completions" if "messages" in item["body"] else "/v1/completions")
+    if url not in ENDPOINTS:
+        raise APIError(400, f"line {number}: url must be one of {sorted(ENDPOINTS)}", param="url")
+    body = {**item["body"], "stream_options": {"include_usage": True}}
+    return str(item.get("custom_id", number)), validated(ENDPOINTS[url], body), item.get("kv_transfer_mode")
+
+
+async def run_request(handle, custom_id: str, request, mode: str) -> dict[str, Any]:
+    result: dict[str, Any] = {"custom_id": custom_id, "mode": mode}
+    started = time.perf_counter()
+    text, finish_reason, usage, first_token_s = "", None, {}, None
+    try:
+        async for chunk in handle.options(stream=True).create_stream.remote(request, mode=mode):
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", ()):
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if piece and first_token_s is None:
+                    first_token_s = time.perf_counter() - started
+                text += piece
+                finish_reason = choice.get("finish_reason") or finish_reason
+    except APIError as e:
+        return {**result, "status": e.status, "error": e.body()["error"]}
+    return {**result, "status": 200, "text": text, "finish_reason": finish_reason,
+            "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+            "transferred_prompt_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "first_token_s": first_token_s, "total_s": time.perf_counter() - started}
+
+
+async def run_batch(handle, lines: list[str], default_mode: str, concurrency: int, output: Path) -> list[dict]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(number: int, line: str) -> dict:
+        try:
+            custom_id, request, mode = parse_line(number, line)
+        except APIError as e:
+            return {"custom_id": str(number), "status": e.status, "error": e.body()["error"]}
+        async with gate:
+            return await run_request(handle, custom_id, request, mode or default_mode)
+
+    results = []
+    with output.open("w") as out, tqdm(total=len(lines), desc="requests", file=sys.stderr) as progress:
+        for finished in asyncio.as_completed([one(n, line) for n, line in enumerate(lines, 1)]):
+            result = await finished
+            out.write(json.dumps(result) + "\n")
+            results.append(result)
+            progress.update()
+    return results
+
+
+def summary(results: list[dict], seconds: float) -> str:
+    ok = [r for r in results if r["status"] == 200]
+    lines = [f"{len(ok)} of {len(results)} requests succeeded in {seconds:.1f} s"]
+    if ok:
+        def quantiles(key: str) -> str:
+            values = sorted(r[key] for r in ok if r[key] is not None)
+            if not values:
+                return "-"
+            p99 = values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
+            return f"p50 {statistics.median(values) * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms"
+        tokens = sum(r["completion_tokens"] or 0 for r in ok)
+        lines += [f"time to first token: {quantiles('first_token_s')}", f"total time: {quantiles('total_s')}",
+                  f"completion tokens: {tokens} ({tokens / seconds:.1f}/s)"]
+    lines += [f"failed {r['custom_id']}: {r['status']} {r['error']['message']}" for r in results if r["status"] != 200]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", type=Path, required=True, help="JSONL of requests (OpenAI batch format)")
+    parser.add_argument("--output", type=Path, required=True, help="JSONL of results, one per request")
+    parser.add_argument("--app", default="pd", help="name of the Serve application to call")
+    parser.add_argument("--mode", choices=("local", "pull", "push"), help="transfer mode for lines that name none")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    args = parser.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    ray.init(address="auto", logging_level="WARNING")  # the cluster the job was submitted to
+    handle = serve.get_app_handle(args.app)
+    default_mode = args.mode or handle.transfer_modes.remote().result()["default"]
+    lines = [line for line in args.input.read_text().splitlines() if line.strip()]
+    started = time.perf_counter()
+    results = asyncio.run(run_batch(handle, lines, default_mode, args.concurrency, args.output))
+    print(summary(results, time.perf_counter() - started))
+    return 0 if all(r["status"] == 200 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
