@@ -8,10 +8,12 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from app.config import EngineConfig, PDAppConfig, load_config
 from app.engine_server import DecodeServer, EngineServer, PrefillServer
 from app.ingress import OpenAIIngress
+from app.routing import ROUTING_STATS_PERIOD_S, EngineLoadRouter
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # How often Serve asks an engine replica whether it is alive (its default is 10 s). A dead replica is seen by the
@@ -35,6 +37,8 @@ def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve
         # The engine runs in the replica's process and children, which stay inside the actor's bundle 0.
         actor_options = {"num_cpus": bundles[0].get("CPU", 0), "num_gpus": 0, **actor_options}
     options = {"max_ongoing_requests": engine.max_num_seqs, "health_check_period_s": ENGINE_HEALTH_CHECK_PERIOD_S,
+               "request_router_config": RequestRouterConfig(request_router_class=EngineLoadRouter,
+                                                            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
                **engine.deployment_config}
     options.pop("ray_actor_options", None)
     return serve.deployment(server).options(

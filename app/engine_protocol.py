@@ -26,8 +26,10 @@ class EngineChunk:
     finish_reason: str | None = None
     # Prompt tokens the engine did not compute itself (with prefix caching off: tokens that arrived by transfer).
     num_cached_tokens: int = 0
-    # First chunk only: when the engine queued, scheduled and produced the request's first token (wall clock, s).
+    # First chunk only: when the engine queued, scheduled and produced the request's first token (wall clock, s),
+    # and which replica's engine it was.
     engine_events: dict[str, float] = field(default_factory=dict)
+    replica: str | None = None
 
 
 @dataclass

@@ -40,6 +40,7 @@ class EngineServer:
             # vLLM's CPU backend binds its OpenMP threads here; without it two engines on one machine share every
             # core and decode slows by an order of magnitude.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_cores[_replica_rank()]
+        self.replica = serve.get_replica_context().replica_id.unique_id
         host = transfer.side_channel_host or ray.util.get_node_ip_address()
         self.identity = claim_identity(self.role, host)
         self.model_id = engine.model_loading_config.model_id
@@ -64,6 +65,10 @@ class EngineServer:
                 "pp_size": parallel.pipeline_parallel_size}
 
     def load(self) -> dict:
+        return self.stats.load()
+
+    def record_routing_stats(self) -> dict:
+        """What Serve's request router ranks this replica by (app/routing.py)."""
         return self.stats.load()
 
     def transfer_totals(self) -> dict:
@@ -126,7 +131,7 @@ class PrefillServer(EngineServer):
         finally:
             computed.cancel()  # the caller went away: abort the prefill (a no-op once it is done)
         first = engine_chunk(final)
-        first.engine_events = engine_events(final)
+        first.engine_events, first.replica = engine_events(final), self.replica
         yield PrefillResult(final.kv_transfer_params, first)
 
     async def _last_output(self, request: EngineRequest):
@@ -147,5 +152,5 @@ class DecodeServer(EngineServer):
         async for output in self._run(request):
             chunk = engine_chunk(output)
             if first:
-                chunk.engine_events, first = engine_events(output), False
+                chunk.engine_events, chunk.replica, first = engine_events(output), self.replica, False
             yield chunk

@@ -68,7 +68,7 @@ class RequestFlow:
                 if chunk.finish_reason == "error":
                     raise EngineFailed("decode failed the request (e.g. its KV transfer failed)")
                 if chunk.engine_events:
-                    timeline.add_engine("decode", chunk.engine_events)
+                    timeline.add_engine("decode", chunk.engine_events, chunk.replica)
                     timeline.mark("decode_answer")
                 if drop_first is not None and chunk.token_ids:
                     if chunk.token_ids[0] != drop_first.token_ids[0]:
@@ -96,7 +96,7 @@ class RequestFlow:
         result = None
         async for result in stream:
             pass
-        timeline.add_engine("prefill", result.first.engine_events)
+        timeline.add_engine("prefill", result.first.engine_events, result.first.replica)
         timeline.mark("prefill_answer")
         return result
 
@@ -106,7 +106,7 @@ class RequestFlow:
         the request."""
         first = result.first
         ends = first.finish_reason == "stop" or request.sampling_params.max_tokens == 1
-        return replace(first, finish_reason=first.finish_reason if ends else None, engine_events={})
+        return replace(first, finish_reason=first.finish_reason if ends else None, engine_events={}, replica=None)
 
     @staticmethod
     async def _succeeded(prefill_result: asyncio.Future) -> PrefillResult:

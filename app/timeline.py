@@ -29,14 +29,17 @@ PHASES: dict[str, tuple[str, str]] = {
 @dataclass
 class RequestTimeline:
     events: dict[str, float] = field(default_factory=lambda: {"arrival": time.time()})
+    replicas: dict[str, str] = field(default_factory=dict)  # role -> the engine replica that served that leg
 
     def mark(self, event: str) -> None:
         """Stamp `event` now, unless it happened already (only its first occurrence counts)."""
         self.events.setdefault(event, time.time())
 
-    def add_engine(self, role: str, engine_events: dict[str, float]) -> None:
+    def add_engine(self, role: str, engine_events: dict[str, float], replica: str | None) -> None:
         for event, at in engine_events.items():
             self.events.setdefault(f"{role}_{event}", at)
+        if replica is not None:
+            self.replicas.setdefault(role, replica)
 
     def dispatched(self, role: str) -> None:
         self.mark(f"{role}_dispatched")
@@ -47,9 +50,11 @@ class RequestTimeline:
         return {name: self.events[end] - self.events[start] for name, (start, end) in PHASES.items()
                 if start in self.events and end in self.events}
 
-    def report(self) -> dict[str, dict[str, float]]:
-        """Milliseconds: each event since arrival, in the order they happened, and each phase's duration."""
+    def report(self) -> dict[str, dict]:
+        """Milliseconds: each event since arrival, in the order they happened, and each phase's duration; and the
+        replica that served each leg."""
         arrival = self.events["arrival"]
         ordered = sorted(self.events.items(), key=lambda item: item[1])
         return {"events_ms": {event: round((at - arrival) * 1e3, 3) for event, at in ordered},
-                "phases_ms": {name: round(seconds * 1e3, 3) for name, seconds in self.phases().items()}}
+                "phases_ms": {name: round(seconds * 1e3, 3) for name, seconds in self.phases().items()},
+                "replicas": dict(self.replicas)}

@@ -182,9 +182,10 @@ def app(reference_outputs) -> RunningApp:
     port, metrics_port, dashboard_port = (free_port("127.0.0.1") for _ in range(3))
     # Jobs submitted to this cluster run `python` as a user's shell would find it: this venv's.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    # Two cores, plus one logical CPU for the short-lived extra decode engine of the recompute test (it shares core 1).
+    # Two cores, and logical CPUs for the engines some modules start beside the app's (they share those cores): the
+    # recompute test's decode engine, then test_replicas' four.
     # Metrics are exported each second rather than every ten, so that a test sees them soon after requests.
-    ray.init(num_cpus=3, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
+    ray.init(num_cpus=6, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
              logging_level="WARNING", _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
     try:

@@ -18,9 +18,10 @@ def test_only_the_first_stamp_of_an_event_counts():
     timeline.mark("first_token_sent")
     first = timeline.events["first_token_sent"]
     timeline.mark("first_token_sent")
-    timeline.add_engine("decode", {"queued": first + 5})
-    timeline.add_engine("decode", {"queued": first + 9})
+    timeline.add_engine("decode", {"queued": first + 5}, "replica-a")
+    timeline.add_engine("decode", {"queued": first + 9}, "replica-b")
     assert timeline.events["first_token_sent"] == first and timeline.events["decode_queued"] == first + 5
+    assert timeline.report()["replicas"] == {"decode": "replica-a"}
 
 
 def test_report_orders_events_from_arrival_in_milliseconds():

@@ -1,0 +1,75 @@
+"""Several replicas per leg, routed by Serve's request router on the load engines report (app/routing.py): the
+1P2D preset's decode side (two decode replicas sharing core 1), with a second prefill replica for push pairing.
+Real engines and transfers; the app runs beside the session's, in front of engines of its own."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import httpx
+import pytest
+import yaml
+
+from conftest import CASES, LEASE_S, PUSH_TIMEOUT_S, ROOT, wait_until
+
+pytestmark = pytest.mark.engines
+MODEL = "tiny-qwen3"
+NAME = "pd-nxm"
+
+
+@pytest.fixture(scope="module")
+def url(app):
+    from ray import serve
+
+    from app.builder import build_app
+
+    raw = yaml.safe_load((ROOT / "configs" / "cpu-1p2d.yaml").read_text())
+    raw["transfer"].update(lease_s=LEASE_S, push_timeout_s=PUSH_TIMEOUT_S)
+    raw["prefill"] = {**raw["prefill"], "deployment_config": {"num_replicas": 2}, "cpu_cores": ["0", "0"]}
+    serve.run(build_app(raw), name=NAME, route_prefix=f"/{NAME}")
+    url = f"{app.base_url}/{NAME}"
+    assert wait_until(lambda: httpx.get(url + "/health", timeout=10).status_code, lambda code: code == 200,
+                      timeout_s=60) == 200
+    yield url
+    serve.delete(NAME)
+
+
+def complete(url: str, mode: str, case) -> dict:
+    body = {"model": MODEL, "prompt": case.prompt, "max_tokens": case.max_tokens, "temperature": 0}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=120,
+                          headers={"x-kv-transfer-mode": mode, "x-pd-timings": "1"})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def transferred_whole_prompt(result: dict) -> bool:
+    usage = result["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
+
+
+def test_decode_legs_go_to_the_replica_that_is_not_busy(url):
+    busy_body = {"model": MODEL, "prompt": CASES[0].prompt, "max_tokens": 800, "ignore_eos": True, "temperature": 0,
+                 "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=busy_body, timeout=300,
+                      headers={"x-kv-transfer-mode": "local", "x-pd-timings": "1"}) as busy:
+        events = busy.iter_lines()
+        while not next(events).startswith("data: {"):
+            pass  # decoding on one of the two decode replicas
+        served = {mode: [complete(url, mode, CASES[1]) for _ in range(3)] for mode in ("pull", "local")}
+        last = [json.loads(line[6:]) for line in events if line.startswith("data: {")][-1]
+    busy_replica = last["pd_timings"]["replicas"]["decode"]
+    chosen = {result["pd_timings"]["replicas"]["decode"] for results in served.values() for result in results}
+    assert len(chosen) == 1 and busy_replica not in chosen, (busy_replica, chosen)
+    # pull's KV crossed to the engine that served it, which computed none of the prompt itself
+    assert all(transferred_whole_prompt(result) for result in served["pull"])
+
+
+def test_push_registrations_reach_the_prefill_replica_that_computes(url):
+    """Decode registers with the prefill replica that took the prefill leg (its first answer names it): with two
+    prefill replicas, a registration sent anywhere else would get no WRITE and fail the request at its deadline."""
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: complete(url, "push", CASES[1]), range(8)))
+    assert all(transferred_whole_prompt(result) for result in results)
+    assert len({result["pd_timings"]["replicas"]["prefill"] for result in results}) == 2  # both prefill replicas
+    assert all(result["choices"][0]["finish_reason"] == "length" for result in results)

@@ -1,0 +1,34 @@
+"""The request router's ranking, on stand-in replicas (the routing itself runs for real in test_replicas.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from app.routing import EngineLoadRouter, load_rank
+
+
+def replica(name: str, **stats) -> SimpleNamespace:
+    return SimpleNamespace(name=name, routing_stats=stats)
+
+
+def ranks(*replicas) -> list[list[str]]:
+    router = object.__new__(EngineLoadRouter)  # ranking reads nothing of the router's own state
+    return [[r.name for r in rank] for rank in asyncio.run(router.choose_replicas(list(replicas)))]
+
+
+def test_waiting_requests_rank_first_then_kv_in_use():
+    assert ranks(replica("queued", waiting=2, running=1, kv_cache_usage=0.1),
+                 replica("full", waiting=0, running=9, kv_cache_usage=0.8),
+                 replica("light", waiting=0, running=9, kv_cache_usage=0.2)) == [["light"], ["full"], ["queued"]]
+
+
+def test_equal_ranks_are_left_to_serves_count_of_requests_in_flight():
+    """Running requests are not ranked on: Serve's own in-flight count, fresher than a report, picks among equals."""
+    assert ranks(replica("a", waiting=0, running=5, kv_cache_usage=0.12),
+                 replica("b", waiting=0, running=1, kv_cache_usage=0.08)) == [["a", "b"]]
+
+
+def test_a_replica_that_has_not_reported_ranks_as_idle():
+    assert load_rank({}) == (0, 0)
+    assert ranks(replica("busy", waiting=1, kv_cache_usage=0.5), replica("new")) == [["new"], ["busy"]]
