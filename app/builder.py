@@ -54,7 +54,7 @@ def ingress_options(config: PDAppConfig) -> dict[str, Any]:
     requests as the decode replicas run at once, and queue as many more; beyond that, Serve answers 503 with a
     Retry-After header (back-pressure) instead of letting the queue grow without bound."""
     replicas = int(config.ingress.deployment_config.get("num_replicas", 1))
-    share = math.ceil(config.decode.num_replicas * config.decode.max_num_seqs / replicas)
+    share = math.ceil(config.decode.max_replicas * config.decode.max_num_seqs / replicas)
     return {"max_ongoing_requests": share, "max_queued_requests": share, **config.ingress.deployment_config}
 
 

@@ -51,8 +51,8 @@ class EngineConfig(StrictModel):
     runtime_env: dict[str, Any] = Field(default_factory=dict)
     cpu_cores: list[str] | None = Field(
         default=None,
-        description="CPU engines only: the cores each replica's engine is bound to, one entry per replica "
-        "(vLLM's VLLM_CPU_OMP_THREADS_BIND syntax, e.g. '0' or '2-3').",
+        description="CPU engines only: the cores each replica's engine is bound to, one entry per replica, up to "
+        "autoscaling's max_replicas (vLLM's VLLM_CPU_OMP_THREADS_BIND syntax, e.g. '0' or '2-3').",
     )
 
     @field_validator("engine_kwargs")
@@ -67,8 +67,20 @@ class EngineConfig(StrictModel):
         return kwargs
 
     @property
-    def num_replicas(self) -> int:
+    def max_replicas(self) -> int:
+        """The most replicas this engine may run: `num_replicas`, or with autoscaling its `max_replicas`."""
+        autoscaling = self.deployment_config.get("autoscaling_config")
+        if autoscaling is not None:
+            return int(autoscaling.get("max_replicas", 1))
         return int(self.deployment_config.get("num_replicas", 1))
+
+    @field_validator("deployment_config")
+    @classmethod
+    def _replica_count_is_bounded(cls, options: dict[str, Any]) -> dict[str, Any]:
+        if options.get("num_replicas") == "auto":
+            raise ValueError("num_replicas: auto leaves the most replicas to Serve's defaults; give "
+                             "autoscaling_config with min_replicas and max_replicas instead")
+        return options
 
     @property
     def max_num_seqs(self) -> int:
@@ -104,10 +116,10 @@ class EngineConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_core_set_per_replica(self) -> EngineConfig:
-        if self.cpu_cores is not None and len(self.cpu_cores) != self.num_replicas:
+        if self.cpu_cores is not None and len(self.cpu_cores) != self.max_replicas:
             raise ValueError(
-                f"cpu_cores lists {len(self.cpu_cores)} core sets for {self.num_replicas} replica(s); "
-                "give exactly one per replica"
+                f"cpu_cores lists {len(self.cpu_cores)} core sets for up to {self.max_replicas} replica(s); "
+                "give exactly one per replica (with autoscaling, one per replica up to max_replicas)"
             )
         return self
 

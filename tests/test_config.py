@@ -186,3 +186,22 @@ def test_ingress_replicas_share_the_decode_capacity_and_explicit_options_win():
     raw["decode"]["deployment_config"].update(max_ongoing_requests=5, health_check_period_s=7)
     decode = engine_deployment(DecodeServer, PDAppConfig.model_validate(raw).decode)
     assert decode.max_ongoing_requests == 5 and decode._deployment_config.health_check_period_s == 7
+
+
+def test_autoscaling_passes_through_to_the_engine_deployment():
+    raw = raw_cpu_config()
+    autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8}
+    raw["decode"]["deployment_config"] = {"autoscaling_config": autoscaling}
+    raw["decode"]["cpu_cores"] = ["1", "1", "1"]  # one per replica it may scale to
+    config = PDAppConfig.model_validate(raw)
+    decode = engine_deployment(DecodeServer, config.decode)._deployment_config
+    assert (decode.autoscaling_config.min_replicas, decode.autoscaling_config.max_replicas) == (1, 3)
+    # the ingress admits what the decode replicas can run once scaled out
+    assert ingress_options(config)["max_ongoing_requests"] == 3 * config.decode.max_num_seqs
+
+    raw["decode"]["cpu_cores"] = ["1"]
+    with pytest.raises(ValidationError, match="up to 3 replica"):
+        PDAppConfig.model_validate(raw)
+    raw["decode"]["deployment_config"] = {"num_replicas": "auto"}
+    with pytest.raises(ValidationError, match="autoscaling_config"):
+        PDAppConfig.model_validate(raw)
