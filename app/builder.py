@@ -14,6 +14,7 @@ from app.config import EngineConfig, PDAppConfig, load_config
 from app.engine_server import DecodeServer, EngineServer, PrefillServer
 from app.ingress import OpenAIIngress
 from app.routing import ROUTING_STATS_PERIOD_S, EngineLoadRouter
+from app.rsllm_config import from_pd_serving_args
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # How often Serve asks an engine replica whether it is alive (its default is 10 s). A dead replica is seen by the
@@ -71,6 +72,12 @@ def resolve_config_path(path: str) -> Path:
     if candidate.is_absolute() or candidate.exists():
         return candidate
     return PROJECT_ROOT / candidate
+
+
+def build_pd_openai_app(args: dict[str, Any]) -> Application:
+    """Entry point for an application config written for Ray Serve LLM's `build_pd_openai_app`: only its
+    `import_path` changes (app/rsllm_config.py says what maps and what is refused)."""
+    return build_pd_app(from_pd_serving_args(args))
 
 
 def build_app(args: dict[str, Any]) -> Application:

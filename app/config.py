@@ -19,7 +19,15 @@ from kv.config import StrictModel, TransferConfig
 
 class ModelLoadingConfig(StrictModel):
     model_id: str = Field(description="The name clients use in the `model` field.")
-    model_source: str = Field(description="A local path, a hub id, or `builtin://tiny-qwen3`.")
+    model_source: str = Field(description="A local path, a hub id, or `builtin://tiny-qwen3`; as in Ray Serve "
+                              "LLM, model_id when not given.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _source_defaults_to_id(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "model_source" not in raw and "model_id" in raw:
+            return {**raw, "model_source": raw["model_id"]}
+        return raw
 
 
 class PlacementGroupConfig(StrictModel):
