@@ -3,7 +3,7 @@ onto the app's configuration, and what is refused by name."""
 
 from __future__ import annotations
 
-import copy
+import json
 
 import pytest
 import yaml
@@ -11,14 +11,15 @@ from ray.serve._private.utils import import_attr
 
 from app.rsllm_config import UnsupportedField, from_pd_serving_args
 
-# The shape of Ray Serve LLM's prefill/decode example (its docs' serve config), import_path changed.
+# The shape of Ray Serve LLM's prefill/decode example (its docs' serve config), import_path changed; decode
+# repeats prefill's fields but for its replica counts.
 PORTED = """
 applications:
   - name: pd-disaggregation
     route_prefix: /
     import_path: app.builder:build_pd_openai_app   # was: ray.serve.llm:build_pd_openai_app
     args:
-      prefill_config:
+      prefill_config: &side
         model_loading_config:
           model_id: Qwen/Qwen3-0.6B
         accelerator_type: H100
@@ -32,14 +33,7 @@ applications:
             min_replicas: 2
             max_replicas: 4
       decode_config:
-        model_loading_config:
-          model_id: Qwen/Qwen3-0.6B
-        accelerator_type: H100
-        engine_kwargs:
-          tensor_parallel_size: 2
-          kv_transfer_config:
-            kv_connector: NixlConnector
-            kv_role: kv_both
+        <<: *side
         deployment_config:
           autoscaling_config:
             min_replicas: 6
@@ -48,7 +42,8 @@ applications:
 
 
 def ported_args() -> dict:
-    return copy.deepcopy(yaml.safe_load(PORTED)["applications"][0]["args"])
+    """A fresh copy whose two sides share no objects (YAML's merge key shares them, and deepcopy keeps that)."""
+    return json.loads(json.dumps(yaml.safe_load(PORTED)["applications"][0]["args"]))
 
 
 def test_rays_pd_example_builds_with_only_its_import_path_changed():
