@@ -87,6 +87,8 @@ class EngineServer:
             "max_model_len": self.engine.model_config.max_model_len,
             "block_size": self.engine.vllm_config.cache_config.block_size,
             "pid": os.getpid(),  # the replica's process; the engine's processes are its children
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "replica": self.replica,
         }
 
     async def _run(self, request: EngineRequest) -> AsyncIterator:

@@ -31,6 +31,7 @@ class Sample:
     ttft: float  # seconds from sending to the first token
     token_times: list[float]  # seconds since sending, one per streamed token
     phases_ms: dict[str, float] = field(default_factory=dict)  # the app's timeline, when asked for
+    replicas: dict[str, str] = field(default_factory=dict)  # the app's replica that served each leg, likewise
 
     @property
     def itls(self) -> list[float]:
@@ -47,7 +48,7 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: list[int], max
     body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     start = time.perf_counter()
-    times, phases = [], {}
+    times, timings = [], {}
     async with client.stream("POST", target.next_url() + "/v1/completions", json=body,
                              headers=target.headers) as response:
         response.raise_for_status()
@@ -58,14 +59,14 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: list[int], max
             if "error" in event:
                 raise RuntimeError(event["error"])
             if "pd_timings" in event:
-                phases = event["pd_timings"]["phases_ms"]
+                timings = event["pd_timings"]
             for choice in event.get("choices", ()):
                 # One chunk may carry several tokens; each counts as arriving now.
                 n = len(choice.get("token_ids") or ()) or (1 if choice.get("text") else 0)
                 times += [time.perf_counter() - start] * n
     if len(times) != max_tokens:
         raise RuntimeError(f"expected {max_tokens} tokens, got {len(times)}")
-    return Sample(times[0], times, phases)
+    return Sample(times[0], times, timings.get("phases_ms", {}), timings.get("replicas", {}))
 
 
 async def run_concurrent(target: Target, prompts: list[list[int]], max_tokens: int, concurrency: int

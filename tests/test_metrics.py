@@ -39,10 +39,14 @@ def test_transfers_by_mode_reach_rays_prometheus(app):
     expected = {"push": totals["prefill"]["kv_transfers"]["push_transfers"],
                 "pull": totals["decode"]["kv_transfers"]["pull_transfers"]}
 
-    def by_mode(samples):  # summed over engines: each mode is counted by one engine only
+    # Only this app's two engines: other tests' engines (gone or not) have series of their own.
+    replicas = [app.engine_call(role, "engine_info")["replica"] for role in ("prefill", "decode")]
+
+    def by_mode(samples):  # summed over the two engines: each mode is counted by one engine only
         found = defaultdict(float)
         for labels, value in samples.get("ray_vllm_kv_transfers_total", {}).items():
-            found[dict(labels)["mode"]] += value
+            if any(replica in label for _, label in labels for replica in replicas):
+                found[dict(labels)["mode"]] += value
         return dict(found)
 
     samples = wait_until(lambda: scrape(app.metrics_url), lambda s: by_mode(s) == expected, timeout_s=30)

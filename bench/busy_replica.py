@@ -1,0 +1,115 @@
+"""Time to first token on several decode replicas, with and without one of them kept busy.
+
+    python -m bench.busy_replica [--config configs/cpu-1p2d.yaml] [--requests 40] [--prompt-tokens 512]
+
+Starts the app on a Ray cluster of its own. For pull and local, it sends `--requests` short requests one after
+another, first with every decode replica idle, then while one long request keeps a decode replica decoding, and
+prints TTFT p50/p99 and the share of requests each decode replica took (from `x-pd-timings`), side by side from one
+run. On a 2-core machine the decode replicas share a core, so the busy one also slows the other: the numbers show
+where the router sends requests, and what the shared core costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+from collections import Counter
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from bench.load import Target, percentile, send
+
+MODES = ("pull", "local")
+
+
+async def measure(target: Target, mode: str, prompts: list[list[int]], max_tokens: int) -> tuple[list, Counter]:
+    headers = {**target.headers, "x-kv-transfer-mode": mode}
+    moded = Target(target.urls, target.model, headers)
+    async with httpx.AsyncClient(timeout=120) as client:
+        samples = [await send(client, moded, prompt, max_tokens) for prompt in prompts]
+    return [s.ttft for s in samples], Counter(s.replicas.get("decode") for s in samples)
+
+
+async def busy_decode(target: Target, tokens: int, started: asyncio.Event) -> str:
+    """One long local request; sets `started` once it is decoding; returns the decode replica that ran it."""
+    body = {"model": target.model, "prompt": [101, 102, 103], "max_tokens": tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    headers = {**target.headers, "x-kv-transfer-mode": "local"}
+    replica = None
+    async with httpx.AsyncClient(timeout=600) as client:
+        async with client.stream("POST", target.urls[0] + "/v1/completions", json=body, headers=headers) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    event = json.loads(line[len("data: "):])
+                    replica = event.get("pd_timings", {}).get("replicas", {}).get("decode", replica)
+    return replica
+
+
+async def run(target: Target, prompts: list[list[int]], max_tokens: int, busy_tokens: int) -> dict:
+    results = {}
+    for mode in MODES:
+        results[(mode, "all idle")] = (*await measure(target, mode, prompts, max_tokens), None)
+    started = asyncio.Event()
+    busy = asyncio.ensure_future(busy_decode(target, busy_tokens, started))
+    await started.wait()
+    measured = {mode: await measure(target, mode, prompts, max_tokens) for mode in MODES}
+    stayed_busy = not busy.done()  # the long request outlasted the measurement
+    busy_replica = await busy
+    for mode, (ttfts, replicas) in measured.items():
+        results[(mode, "one decode replica busy")] = (ttfts, replicas, busy_replica if stayed_busy else None)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/cpu-1p2d.yaml")
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--busy-tokens", type=int, default=1500)
+    args = parser.parse_args()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    import ray
+    from ray import serve
+
+    from app.builder import build_pd_app, resolve_config_path
+    from app.config import load_config
+    from kv.engine_identity import free_port
+
+    config = load_config(resolve_config_path(args.config))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 4000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
+    console = Console()
+    ray.init(num_cpus=config.prefill.max_replicas + config.decode.max_replicas, include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False)
+    try:
+        port = free_port("127.0.0.1")
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        with console.status("starting the app"):
+            serve.run(build_pd_app(config), name="pd", route_prefix="/")
+        target = Target([f"http://127.0.0.1:{port}"], config.model_id, {"x-pd-timings": "1"})
+        asyncio.run(measure(target, "pull", prompts[:4], args.max_tokens))  # warm-up
+        with console.status("measuring"):
+            results = asyncio.run(run(target, prompts, args.max_tokens, args.busy_tokens))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    table = Table("mode", "decode replicas", "TTFT p50 ms", "TTFT p99 ms", "requests per decode replica",
+                  title=f"{args.requests} requests of {args.prompt_tokens} prompt tokens, one at a time")
+    for (mode, condition), (ttfts, replicas, busy_replica) in results.items():
+        shares = ", ".join(f"{'busy' if r == busy_replica else r}: {n}" for r, n in replicas.most_common())
+        table.add_row(mode, condition, f"{percentile(ttfts, 50) * 1e3:.1f}", f"{percentile(ttfts, 99) * 1e3:.1f}",
+                      shares)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
