@@ -51,19 +51,16 @@ async def busy_decode(target: Target, tokens: int, started: asyncio.Event) -> st
     return replica
 
 
-async def run(target: Target, prompts: list[list[int]], max_tokens: int, busy_tokens: int) -> dict:
-    results = {}
-    for mode in MODES:
-        results[(mode, "all idle")] = (*await measure(target, mode, prompts, max_tokens), None)
+async def run(target: Target, prompts: list[list[int]], max_tokens: int, busy_tokens: int) -> tuple[dict, str, bool]:
+    """TTFTs and decode replicas per (mode, condition); the busy decode replica; whether it stayed busy throughout."""
+    results = {(mode, "all idle"): await measure(target, mode, prompts, max_tokens) for mode in MODES}
     started = asyncio.Event()
     busy = asyncio.ensure_future(busy_decode(target, busy_tokens, started))
     await started.wait()
-    measured = {mode: await measure(target, mode, prompts, max_tokens) for mode in MODES}
+    for mode in MODES:
+        results[(mode, "one decode replica busy")] = await measure(target, mode, prompts, max_tokens)
     stayed_busy = not busy.done()  # the long request outlasted the measurement
-    busy_replica = await busy
-    for mode, (ttfts, replicas) in measured.items():
-        results[(mode, "one decode replica busy")] = (ttfts, replicas, busy_replica if stayed_busy else None)
-    return results
+    return results, await busy, stayed_busy
 
 
 def main() -> None:
@@ -86,7 +83,7 @@ def main() -> None:
     config = load_config(resolve_config_path(args.config))
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 4000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
-    console = Console()
+    console = Console(width=120)
     ray.init(num_cpus=config.prefill.max_replicas + config.decode.max_replicas, include_dashboard=False,
              logging_level="ERROR", log_to_driver=False)
     try:
@@ -97,15 +94,19 @@ def main() -> None:
         target = Target([f"http://127.0.0.1:{port}"], config.model_id, {"x-pd-timings": "1"})
         asyncio.run(measure(target, "pull", prompts[:4], args.max_tokens))  # warm-up
         with console.status("measuring"):
-            results = asyncio.run(run(target, prompts, args.max_tokens, args.busy_tokens))
+            results, busy_replica, stayed_busy = asyncio.run(run(target, prompts, args.max_tokens, args.busy_tokens))
     finally:
         serve.shutdown()
         ray.shutdown()
 
     table = Table("mode", "decode replicas", "TTFT p50 ms", "TTFT p99 ms", "requests per decode replica",
-                  title=f"{args.requests} requests of {args.prompt_tokens} prompt tokens, one at a time")
-    for (mode, condition), (ttfts, replicas, busy_replica) in results.items():
-        shares = ", ".join(f"{'busy' if r == busy_replica else r}: {n}" for r, n in replicas.most_common())
+                  title=f"{args.requests} requests of {args.prompt_tokens} prompt tokens, one at a time",
+                  caption=f"busy: decode replica {busy_replica}, decoding {args.busy_tokens} tokens"
+                          f" ({'throughout' if stayed_busy else 'NOT throughout: raise --busy-tokens'})")
+    for (mode, condition), (ttfts, replicas) in results.items():
+        busy = condition != "all idle"
+        shares = ", ".join(f"{r}{' (busy)' if busy and r == busy_replica else ''}: {n}"
+                           for r, n in replicas.most_common())
         table.add_row(mode, condition, f"{percentile(ttfts, 50) * 1e3:.1f}", f"{percentile(ttfts, 99) * 1e3:.1f}",
                       shares)
     console.print(table)
