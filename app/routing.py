@@ -31,5 +31,6 @@ def load_rank(stats: dict[str, Any]) -> tuple[int, int]:
 class EngineLoadRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        ranked = sorted(candidate_replicas, key=lambda replica: load_rank(replica.routing_stats))
-        return [list(group) for _, group in groupby(ranked, key=lambda replica: load_rank(replica.routing_stats))]
+        ranked = sorted((load_rank(replica.routing_stats), index, replica)
+                        for index, replica in enumerate(candidate_replicas))
+        return [[replica for _, _, replica in group] for _, group in groupby(ranked, key=lambda entry: entry[0])]
