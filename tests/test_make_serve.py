@@ -26,7 +26,8 @@ def wait_until_serving(process: subprocess.Popen, log) -> None:
     while time.monotonic() < deadline:
         assert process.poll() is None, f"make serve ended with status {process.returncode}:\n{log.read_text()[-3000:]}"
         try:
-            if httpx.get(f"{URL}/v1/models", timeout=5).status_code == 200:
+            # /health, not /v1/models: the ingress answers before Serve lists both engines as running
+            if httpx.get(f"{URL}/health", timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass
