@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m app.tiny_model
 	touch $@
 
+# The venv's bin first on PATH: the Ray cluster that `serve run` starts resolves a job's `python` (README's
+# `ray job submit ... -- python -m app.batch`) on its own PATH, which it inherits from here.
 serve: setup
-	$(BIN)/serve run serve_config.yaml
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/serve run serve_config.yaml
 
 test: setup
 	$(BIN)/pytest -v

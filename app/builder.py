@@ -17,8 +17,9 @@ from app.routing import ROUTING_STATS_PERIOD_S, EngineLoadRouter
 from app.rsllm_config import from_pd_serving_args
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-# How often Serve asks an engine replica whether it is alive (its default is 10 s). A dead replica is seen by the
-# ingress only after this, and requests for its leg wait meanwhile; the check is one cheap call to the engine.
+# How often Serve asks an engine replica whether it is alive (its default is 10 s). Serve replaces a replica whose
+# engine died after three failed checks, so this bounds how long a leg runs one replica short. (The ingress does not
+# wait for it: app/replica_view.py.) The check is one cheap call to the engine.
 ENGINE_HEALTH_CHECK_PERIOD_S = 2
 
 

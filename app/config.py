@@ -135,9 +135,10 @@ class EngineConfig(StrictModel):
 class IngressConfig(StrictModel):
     deployment_config: dict[str, Any] = Field(default_factory=dict)
     request_timeout_s: PositiveInt = Field(default=120, description="Upper bound on one request end to end.")
-    health_poll_s: float = Field(
-        default=1.0, gt=0, description="How often the ingress reads the engine replicas' states: a request for a "
-        "leg with no running replica gets a 503 at once instead of waiting for the replacement.")
+    replica_wait_s: float = Field(
+        default=1.0, gt=0, description="How long a leg may wait for an engine replica to take it. Past that (no "
+        "replica of its role can: they died or are being replaced) the request is tried on the replicas left, or "
+        "gets a 503 with Retry-After.")
     max_request_bytes: PositiveInt = Field(default=4 * 2**20, description="Larger request bodies get a 413.")
     api_key_env: str | None = Field(
         default=None,

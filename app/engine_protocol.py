@@ -18,6 +18,28 @@ class EngineRequest:
 
 
 @dataclass
+class LegAccepted:
+    """The first message of every leg, sent the moment a replica takes it, so that the ingress knows within a short
+    deadline whether any replica did. Prefill's carries its engine's transfer identity, which a push decode leg
+    registers its blocks with."""
+
+    replica: str
+    transfer_identity: dict[str, Any] | None = None
+
+
+class ReplicaUnavailable(RuntimeError):
+    """Raised by a replica whose engine has died (its actor lives on until Serve replaces it): no request it takes
+    can be served."""
+
+    def __init__(self, role: str, replica: str, reason: str):
+        super().__init__(f"the {role} engine of replica {replica} is dead: {reason}")
+        self.role, self.replica, self.reason = role, replica, reason
+
+    def __reduce__(self):  # whole across Ray
+        return ReplicaUnavailable, (self.role, self.replica, self.reason)
+
+
+@dataclass
 class EngineChunk:
     """One step of output: the new text and tokens since the previous chunk."""
 
@@ -26,10 +48,8 @@ class EngineChunk:
     finish_reason: str | None = None
     # Prompt tokens the engine did not compute itself (with prefix caching off: tokens that arrived by transfer).
     num_cached_tokens: int = 0
-    # First chunk only: when the engine queued, scheduled and produced the request's first token (wall clock, s),
-    # and which replica's engine it was.
+    # First chunk only: when the engine queued, scheduled and produced the request's first token (wall clock, s).
     engine_events: dict[str, float] = field(default_factory=dict)
-    replica: str | None = None
 
 
 @dataclass

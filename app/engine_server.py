@@ -13,10 +13,11 @@ from ray import serve
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
 from app.config import EngineConfig
-from app.engine_protocol import EngineChunk, EngineRequest, PrefillResult
+from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult, ReplicaUnavailable
 from app.engine_stats import EngineStatsRecorder
 from app.tiny_model import resolve_model_source
 from kv.config import TransferConfig
@@ -40,15 +41,19 @@ class EngineServer:
             # vLLM's CPU backend binds its OpenMP threads here; without it two engines on one machine share every
             # core and decode slows by an order of magnitude.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_cores[_replica_rank()]
+            # oneDNN keeps every matmul primitive it creates, one per distinct batch size, up to 1024 of them:
+            # under varied prompt lengths the engine's worker grew by gigabytes. vLLM's linear layers keep their
+            # own few primitives each, so the global cache only adds memory (a runtime_env may still set it).
+            os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
         self.replica = serve.get_replica_context().replica_id.unique_id
         host = transfer.side_channel_host or ray.util.get_node_ip_address()
-        self.identity = claim_identity(self.role, host)
+        self.identity = claim_identity(self.role, host, port_in_env=transfer.connector.module_path is None)
         self.model_id = engine.model_loading_config.model_id
         self.stats = EngineStatsRecorder()
         args = AsyncEngineArgs(
             model=resolve_model_source(engine.model_loading_config.model_source),
             served_model_name=[self.model_id],
-            kv_transfer_config=build_kv_transfer_config(transfer, self.identity.engine_id),
+            kv_transfer_config=build_kv_transfer_config(transfer, self.identity),
             worker_extension_cls="kv.worker_extension.TransferStateExtension",
             **engine.engine_kwargs,
         )
@@ -86,6 +91,7 @@ class EngineServer:
         return {
             "max_model_len": self.engine.model_config.max_model_len,
             "block_size": self.engine.vllm_config.cache_config.block_size,
+            "num_kv_blocks": self.engine.vllm_config.cache_config.num_gpu_blocks,
             "pid": os.getpid(),  # the replica's process; the engine's processes are its children
             "node_id": ray.get_runtime_context().get_node_id(),
             "replica": self.replica,
@@ -94,10 +100,15 @@ class EngineServer:
     async def _run(self, request: EngineRequest) -> AsyncIterator:
         params = request.sampling_params.clone()
         params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": request.kv_transfer_params}
-        async for output in self.engine.generate(
-            {"prompt_token_ids": request.prompt_token_ids}, params, request.request_id
-        ):
-            yield output
+        try:
+            async for output in self.engine.generate(
+                {"prompt_token_ids": request.prompt_token_ids}, params, request.request_id
+            ):
+                yield output
+        except EngineDeadError as e:
+            # Said in the ingress's terms: this replica can serve nothing until Serve replaces it (its health check
+            # fails from now on), so the ingress passes it over and tries another.
+            raise ReplicaUnavailable(self.role, self.replica, str(e)) from None
 
 
 def engine_events(output) -> dict[str, float]:
@@ -120,20 +131,21 @@ def engine_chunk(output) -> EngineChunk:
 class PrefillServer(EngineServer):
     role = "prefill"
 
-    async def prefill(self, request: EngineRequest) -> AsyncIterator[dict | PrefillResult]:
-        """Yield this engine's transfer identity at once (a push decode leg registers with it while prefill runs),
-        then, once the prompt is computed, where its KV lives and the one token prefill sampled."""
+    async def prefill(self, request: EngineRequest) -> AsyncIterator[LegAccepted | PrefillResult]:
+        """Yield at once that this replica took the leg, with its engine's transfer identity (a push decode leg
+        registers with it while prefill runs); then, once the prompt is computed, where its KV lives and the one
+        token prefill sampled."""
         request.sampling_params = request.sampling_params.clone()
         request.sampling_params.max_tokens = 1
         request.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
         computed = asyncio.ensure_future(self._last_output(request))  # the engine starts before the identity leaves
         try:
-            yield self.transfer_identity()
+            yield LegAccepted(self.replica, self.transfer_identity())
             final = await computed
         finally:
             computed.cancel()  # the caller went away: abort the prefill (a no-op once it is done)
         first = engine_chunk(final)
-        first.engine_events, first.replica = engine_events(final), self.replica
+        first.engine_events = engine_events(final)
         yield PrefillResult(final.kv_transfer_params, first)
 
     async def _last_output(self, request: EngineRequest):
@@ -146,13 +158,15 @@ class PrefillServer(EngineServer):
 class DecodeServer(EngineServer):
     role = "decode"
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """Stream the completion; with remote-prefill params the prompt's KV is loaded, not recomputed."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[LegAccepted | EngineChunk]:
+        """Yield at once that this replica took the leg, then stream the completion; with remote-prefill params the
+        prompt's KV is loaded, not recomputed."""
         request.sampling_params = request.sampling_params.clone()
         request.sampling_params.output_kind = RequestOutputKind.DELTA
+        yield LegAccepted(self.replica)
         first = True
         async for output in self._run(request):
             chunk = engine_chunk(output)
             if first:
-                chunk.engine_events, chunk.replica, first = engine_events(output), self.replica, False
+                chunk.engine_events, first = engine_events(output), False
             yield chunk

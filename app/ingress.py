@@ -23,7 +23,6 @@ from transformers import AutoTokenizer
 from app.config import PDAppConfig
 from app.engine_protocol import EngineChunk, EngineRequest
 from app.ingress_metrics import IngressMetrics
-from app.leg_health import LegHealth
 from app.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -33,7 +32,7 @@ from app.openai_protocol import (
     as_request,
     validated,
 )
-from app.request_flow import RequestFlow, UnsupportedMode
+from app.request_flow import LegUnavailable, RequestFlow, UnsupportedMode
 from app.timeline import RequestTimeline
 from app.tiny_model import resolve_model_source
 from kv.config import TransferMode
@@ -89,9 +88,8 @@ class OpenAIIngress:
         self.timeout_s = config.ingress.request_timeout_s
         self.max_request_bytes = config.ingress.max_request_bytes
         self.api_key = _api_key(config.ingress.api_key_env)
-        self.flow = RequestFlow(prefill, decode, config.transfer)
+        self.flow = RequestFlow(prefill, decode, config.transfer, config.ingress.replica_wait_s)
         self.engines = {"prefill": prefill, "decode": decode}
-        self.leg_health = LegHealth(self.engines, config.ingress.health_poll_s)
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.
         self.tokenizer = AutoTokenizer.from_pretrained(
             resolve_model_source(config.decode.model_loading_config.model_source)
@@ -128,15 +126,16 @@ class OpenAIIngress:
 
     async def health(self, request: Request) -> JSONResponse:
         """Ready when both engine deployments answer; Serve itself restarts replicas that fail their health checks."""
-        replicas = self.leg_health.replicas
-        if down := await self.leg_health.down(tuple(self.engines)):
+        replicas = self.flow.replicas.replicas()
+        if down := self.flow.replicas.down(tuple(self.engines)):
             return JSONResponse({"status": "unavailable", "down": down, "replicas": replicas}, status_code=503,
                                 headers=RETRY_LATER)
         try:
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(self.flow.replica_wait_s):
                 loads = {role: await handle.load.remote() for role, handle in self.engines.items()}
         except Exception as e:  # noqa: BLE001 -- any failure to reach an engine means not ready
-            return JSONResponse({"status": "unavailable", "reason": repr(e), "replicas": replicas}, status_code=503,
+            reason = "an engine did not answer in time" if isinstance(e, TimeoutError) else f"an engine failed: {e}"
+            return JSONResponse({"status": "unavailable", "reason": reason, "replicas": replicas}, status_code=503,
                                 headers=RETRY_LATER)
         return JSONResponse({"status": "ok", "load": loads, "replicas": replicas})
 
@@ -244,16 +243,15 @@ class OpenAIIngress:
             )
         return requested or room
 
-    async def _mode(self, requested: str | None) -> TransferMode:
-        """The request's transfer mode, if every leg it needs has a running replica (else a 503 at once: queued in
-        Serve's router, it would wait for a replacement replica, which takes minutes to start an engine)."""
+    def _mode(self, requested: str | None) -> TransferMode:
+        """The request's transfer mode, if every leg it needs has a replica that can take it (else a 503 at once:
+        queued in Serve's router, it would wait for a replacement replica, which takes a minute to start)."""
         try:
             mode = self.flow.choose_mode(requested)
         except UnsupportedMode as e:
             raise APIError(400, str(e), param=MODE_HEADER) from e
-        if down := await self.leg_health.down(("decode",) if mode == "local" else ("prefill", "decode")):
-            raise APIError(503, f"no {' or '.join(down)} replica is running (Serve is replacing it); retry shortly",
-                           "service_unavailable", code="engine_unavailable", headers=RETRY_LATER)
+        if down := self.flow.replicas.down(("decode",) if mode == "local" else ("prefill", "decode")):
+            raise _unavailable(f"no {' or '.join(down)} replica can take requests (Serve is replacing it)")
         return mode
 
     async def _prompt_ids(self, body: SamplingFields) -> list[int]:
@@ -270,7 +268,7 @@ class OpenAIIngress:
                      timeline: RequestTimeline) -> Admitted:
         """Checks the request (model, mode, prompt, length) and starts it."""
         self._check_model(body.model)
-        mode = await self._mode(requested_mode)
+        mode = self._mode(requested_mode)
         prompt_ids = await self._prompt_ids(body)
         max_tokens = await self._checked_max_tokens(body, len(prompt_ids))
         chat = isinstance(body, ChatCompletionRequest)
@@ -298,6 +296,9 @@ class OpenAIIngress:
         except TimeoutError as e:
             outcome = "timeout"
             raise APIError(504, f"request did not finish within {self.timeout_s} s", "timeout_error") from e
+        except LegUnavailable as e:
+            outcome = "unavailable"
+            raise _unavailable(str(e)) from e
         except Exception as e:
             outcome = "error"
             logger.exception("request %s failed", admitted.writer.request_id)
@@ -330,6 +331,11 @@ class OpenAIIngress:
         except APIError as e:  # the status line is already sent: report the failure in the stream itself
             yield _sse(e.body())
         yield "data: [DONE]\n\n"
+
+
+def _unavailable(reason: str) -> APIError:
+    return APIError(503, f"{reason}; retry shortly", "service_unavailable", code="engine_unavailable",
+                    headers=RETRY_LATER)
 
 
 def _api_key(env_var: str | None) -> str | None:

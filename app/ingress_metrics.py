@@ -2,8 +2,8 @@
 many are in flight. Ray exports each as `ray_<name>` (README lists them as Prometheus shows them).
 
 Every request is counted once under its outcome: refused before it started (mode `none`; `invalid` for a 4xx,
-`unavailable` for a 503), or once it ends: `ok`, `timeout` (504), `error` (an engine failed it), `cancelled` (the
-caller went away).
+`unavailable` for a 503), or once it ends: `ok`, `timeout` (504), `unavailable` (a leg's replica died under it and
+no other could take it: 503 or an error event), `error` (an engine failed it), `cancelled` (the caller went away).
 """
 
 from __future__ import annotations

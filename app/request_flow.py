@@ -1,18 +1,25 @@
-"""How one request travels through the engines: which legs run, in what order, with which transfer parameters."""
+"""How one request travels through the engines: which legs run, in what order, with which transfer parameters, and
+what happens when a replica fails under it."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import AsyncGenerator, AsyncIterator
+from typing import AsyncGenerator, AsyncIterator, Callable
 
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from app.engine_protocol import EngineChunk, EngineRequest, PrefillResult
+from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult, ReplicaUnavailable
 from app.first_token import after_seed, can_seed, prefill_sampling
+from app.replica_view import ReplicaView
 from app.timeline import RequestTimeline
 from kv.config import TransferConfig, TransferMode
 from kv.transfer_params import new_transfer_id, prefill_params, pull_decode_params, push_decode_params
+
+# A request whose leg failed before anything reached the client is started again, on the replicas left, this many
+# times in all.
+MAX_ATTEMPTS = 3
 
 
 class UnsupportedMode(ValueError):
@@ -28,10 +35,72 @@ class PrefillFailed(EngineFailed):
     """A push request's prefill leg failed while decode was still waiting for its WRITE."""
 
 
+class LegUnavailable(RuntimeError):
+    """No replica of a leg's role could serve it: none took it in time, or the one that took it died (its actor, or
+    its engine inside a live actor)."""
+
+    def __init__(self, role: str, reason: str):
+        super().__init__(f"the {role} leg failed: {reason}")
+        self.role = role
+
+
+class Leg:
+    """One dispatched leg: its stream, and a deadline, running from dispatch, for a replica to take it (every leg's
+    first message is `LegAccepted`). Replica failures come out of it as LegUnavailable."""
+
+    def __init__(self, role: str, stream: DeploymentResponseGenerator, wait_s: float,
+                 on_dead_engine: Callable[[str, str], None]):
+        self.role, self.stream, self._on_dead_engine = role, stream, on_dead_engine
+        self.accepted: asyncio.Future[LegAccepted] = asyncio.ensure_future(self._accept(wait_s))
+
+    async def _accept(self, wait_s: float) -> LegAccepted:
+        try:
+            async with asyncio.timeout(wait_s):
+                return await anext(self.stream)
+        except TimeoutError:
+            # No replica took it: Serve's router holds it until one can (a replacement takes a minute or more).
+            self.stream.cancel()
+            raise LegUnavailable(self.role, f"no {self.role} replica took it within {wait_s:g} s") from None
+        except Exception as e:
+            raise self._failure(e) from e
+
+    async def messages(self) -> AsyncIterator:
+        """The leg's messages after `LegAccepted`."""
+        replica = (await self.accepted).replica
+        try:
+            async for message in self.stream:
+                yield message
+        except Exception as e:
+            failure = self._failure(e, replica)
+            if failure is e:
+                raise
+            raise failure from e
+
+    def _failure(self, error: Exception, replica: str | None = None) -> Exception:
+        """`error` as LegUnavailable if it means the replica is gone; otherwise `error` itself."""
+        dead_engine = getattr(error, "cause", error)  # Ray hands a replica's exception over wrapped, with its traceback
+        if isinstance(dead_engine, ReplicaUnavailable):
+            self._on_dead_engine(self.role, dead_engine.replica)
+            return LegUnavailable(self.role, str(dead_engine))
+        if isinstance(error, RayActorError):  # Serve's router drops that replica by itself
+            return LegUnavailable(self.role, f"its replica {replica} died" if replica else "its replica died")
+        return error
+
+    def cancel(self) -> None:
+        """A no-op once the leg is finished; otherwise the replica aborts it (and frees its blocks)."""
+        self.stream.cancel()
+        self.accepted.cancel()
+        if self.accepted.done() and not self.accepted.cancelled():
+            self.accepted.exception()  # seen: whatever ended the request was reported elsewhere
+
+
 class RequestFlow:
-    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, transfer: TransferConfig):
+    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, transfer: TransferConfig,
+                 replica_wait_s: float):
+        self.replicas = ReplicaView({"prefill": prefill, "decode": decode})
         self.prefill = prefill.options(stream=True)
         self.decode = decode.options(stream=True)
+        self.replica_wait_s = replica_wait_s
         self.default_mode = transfer.default_mode
         self.modes = transfer.modes
         self.seed_first_token = transfer.seed_first_token
@@ -46,6 +115,30 @@ class RequestFlow:
 
     def stream(self, request: EngineRequest, mode: TransferMode, timeline: RequestTimeline
                ) -> AsyncGenerator[EngineChunk, None]:
+        """The request's chunks. A leg that fails before anything reached the client is tried again on another
+        replica of its role, if one is left; otherwise LegUnavailable."""
+        return self._retried(lambda: self._flow(request, mode, timeline), timeline)
+
+    async def _retried(self, start: Callable[[], AsyncGenerator[EngineChunk, None]], timeline: RequestTimeline
+                       ) -> AsyncGenerator[EngineChunk, None]:
+        """`start()`'s chunks, started again (up to MAX_ATTEMPTS in all) when a leg failed before any chunk came
+        and its role still has a replica that can take it."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            chunks, sent = start(), False
+            try:
+                async for chunk in chunks:
+                    sent = True
+                    yield chunk
+                return
+            except LegUnavailable as e:
+                if sent or attempt == MAX_ATTEMPTS or not self.replicas.usable(e.role):
+                    raise
+                timeline.mark("retried")
+            finally:
+                await chunks.aclose()
+
+    def _flow(self, request: EngineRequest, mode: TransferMode, timeline: RequestTimeline
+              ) -> AsyncGenerator[EngineChunk, None]:
         if mode == "local":
             return self._decode(self._dispatch_decode(request, timeline), timeline)
         seeded = self.seed_first_token and can_seed(request.sampling_params, mode)
@@ -55,20 +148,24 @@ class RequestFlow:
 
     # -- legs ------------------------------------------------------------------------------------------------------
 
-    def _dispatch_decode(self, request: EngineRequest, timeline: RequestTimeline) -> DeploymentResponseGenerator:
-        timeline.dispatched("decode")
-        return self.decode.generate.remote(request)
+    def _leg(self, role: str, stream: DeploymentResponseGenerator) -> Leg:
+        return Leg(role, stream, self.replica_wait_s, self.replicas.mark_failed)
 
-    async def _decode(self, stream: DeploymentResponseGenerator, timeline: RequestTimeline,
-                      drop_first: EngineChunk | None = None) -> AsyncIterator[EngineChunk]:
+    def _dispatch_decode(self, request: EngineRequest, timeline: RequestTimeline) -> Leg:
+        timeline.dispatched("decode")
+        return self._leg("decode", self.decode.generate.remote(request))
+
+    async def _decode(self, leg: Leg, timeline: RequestTimeline, drop_first: EngineChunk | None = None
+                      ) -> AsyncIterator[EngineChunk]:
         """Decode's chunks. `drop_first`: the first token was already sent (push, seeded) and decode samples it
         again; its copy must be the same token, and is left out."""
         try:
-            async for chunk in stream:
+            timeline.taken("decode", (await leg.accepted).replica)
+            async for chunk in leg.messages():
                 if chunk.finish_reason == "error":
                     raise EngineFailed("decode failed the request (e.g. its KV transfer failed)")
                 if chunk.engine_events:
-                    timeline.add_engine("decode", chunk.engine_events, chunk.replica)
+                    timeline.add_engine("decode", chunk.engine_events)
                     timeline.mark("decode_answer")
                 if drop_first is not None and chunk.token_ids:
                     if chunk.token_ids[0] != drop_first.token_ids[0]:
@@ -80,23 +177,24 @@ class RequestFlow:
                         continue
                 yield chunk
         finally:
-            stream.cancel()  # a no-op once finished; otherwise (client gone) decode aborts and frees its blocks
+            leg.cancel()
 
     def _dispatch_prefill(self, request: EngineRequest, seeded: bool, timeline: RequestTimeline,
-                          transfer: tuple[TransferMode, str] | None) -> DeploymentResponseGenerator:
+                          transfer: tuple[TransferMode, str] | None) -> Leg:
         """`transfer`: the mode and transfer id under which prefill keeps the prompt's KV; None keeps nothing."""
         leg = EngineRequest(request.request_id, request.prompt_token_ids,
                             prefill_sampling(request.sampling_params, seeded),
                             prefill_params(*transfer) if transfer else None)
         timeline.dispatched("prefill")
-        return self.prefill.prefill.remote(leg)
+        return self._leg("prefill", self.prefill.prefill.remote(leg))
 
     @staticmethod
-    async def _prefill_result(stream: DeploymentResponseGenerator, timeline: RequestTimeline) -> PrefillResult:
+    async def _prefill_result(leg: Leg, timeline: RequestTimeline) -> PrefillResult:
+        timeline.taken("prefill", (await leg.accepted).replica)
         result = None
-        async for result in stream:
+        async for result in leg.messages():
             pass
-        timeline.add_engine("prefill", result.first.engine_events, result.first.replica)
+        timeline.add_engine("prefill", result.first.engine_events)
         timeline.mark("prefill_answer")
         return result
 
@@ -106,19 +204,21 @@ class RequestFlow:
         the request."""
         first = result.first
         ends = first.finish_reason == "stop" or request.sampling_params.max_tokens == 1
-        return replace(first, finish_reason=first.finish_reason if ends else None, engine_events={}, replica=None)
+        return replace(first, finish_reason=first.finish_reason if ends else None, engine_events={})
 
     @staticmethod
     async def _succeeded(prefill_result: asyncio.Future) -> PrefillResult:
         try:
             return await prefill_result
+        except LegUnavailable:
+            raise
         except Exception as e:
             raise PrefillFailed(f"prefill failed the request: {e!r}") from e
 
     @staticmethod
     async def _unless_prefill_fails(chunks: AsyncIterator[EngineChunk], prefill_result: asyncio.Future
                                     ) -> AsyncIterator[EngineChunk]:
-        """Decode's chunks, until prefill's leg fails first: then PrefillFailed at once (decode's leg is cancelled,
+        """Decode's chunks, until prefill's leg fails first: then that failure at once (decode's leg is cancelled,
         which frees its blocks), rather than decode waiting out `push_timeout_s` for a WRITE that cannot come."""
         chunks = aiter(chunks)
         while True:
@@ -127,7 +227,7 @@ class RequestFlow:
                 await asyncio.wait({step, prefill_result}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done() and prefill_result.exception() is not None:
                 step.cancel()
-                raise PrefillFailed(f"prefill failed the request: {prefill_result.exception()!r}")
+                await RequestFlow._succeeded(prefill_result)  # raises prefill's failure
             try:
                 yield await step
             except StopAsyncIteration:
@@ -136,11 +236,11 @@ class RequestFlow:
     # -- flows -----------------------------------------------------------------------------------------------------
 
     async def _prefill_only(self, request: EngineRequest, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
-        stream = self._dispatch_prefill(request, True, timeline, transfer=None)
+        leg = self._dispatch_prefill(request, True, timeline, transfer=None)
         try:
-            yield self._seed(request, await self._prefill_result(stream, timeline))
+            yield self._seed(request, await self._prefill_result(leg, timeline))
         finally:
-            stream.cancel()
+            leg.cancel()
 
     async def _pull(self, request: EngineRequest, seeded: bool, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
         """Prefill first; the decode replica is chosen only once prefill is done (late binding), then it READs.
@@ -159,8 +259,13 @@ class RequestFlow:
                 return  # prefill's lease frees the KV no decode will take
             decode_leg = replace(decode_leg, prompt_token_ids=request.prompt_token_ids + first.token_ids,
                                  sampling_params=after_seed(request.sampling_params))
-        async for chunk in self._decode(self._dispatch_decode(decode_leg, timeline), timeline):
+        async for chunk in self._pull_decode(decode_leg, timeline):
             yield chunk
+
+    def _pull_decode(self, request: EngineRequest, timeline: RequestTimeline) -> AsyncGenerator[EngineChunk, None]:
+        """Decode's leg of a pull request. Prefill keeps the KV leased until a decode engine has READ it, so a decode
+        leg whose replica fails before it sent a token goes to another decode replica, which READs it afresh."""
+        return self._retried(lambda: self._decode(self._dispatch_decode(request, timeline), timeline), timeline)
 
     async def _push(self, request: EngineRequest, seeded: bool, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
         """Both legs at once: as soon as the prefill replica is known, decode allocates blocks and registers them
@@ -170,7 +275,7 @@ class RequestFlow:
         prefill = self._dispatch_prefill(request, seeded, timeline, ("push", transfer_id))
         prefill_result, decode = None, None
         try:
-            identity = await prefill.__anext__()
+            identity = (await prefill.accepted).transfer_identity
             prefill_result = asyncio.ensure_future(self._prefill_result(prefill, timeline))
             decode = self._dispatch_decode(replace(request, kv_transfer_params=push_decode_params(
                 transfer_id, identity, len(request.prompt_token_ids))), timeline)
@@ -186,8 +291,9 @@ class RequestFlow:
                                                               prefill_result):
                     sent = True
                     yield chunk
-            except PrefillFailed:
-                if sent or not self.recompute_on_failure:
+            except (PrefillFailed, LegUnavailable) as e:
+                prefill_lost = isinstance(e, PrefillFailed) or e.role == "prefill"
+                if sent or not prefill_lost or not self.recompute_on_failure:
                     raise
                 # As the failure policy says for a transfer that cannot happen: decode computes the prompt itself.
                 decode.cancel()

@@ -11,6 +11,12 @@ Every leg is routed when it is dispatched, so the modes bind as they should:
 - push: both on arrival; the decode leg registers with the prefill replica that took the prefill leg (its first
   answer is that replica's transfer identity, app/request_flow.py);
 - local: the decode replica on arrival.
+
+The router of each engine deployment lives in the process that holds the handle (the ingress), one per deployment
+there. It is also that process's freshest view of which replicas can take a leg (app/replica_view.py): Serve gives it
+the replicas its controller lists as running, and tells it the moment a call to one finds its actor dead; the
+ingress adds the replicas whose engine it saw die inside a live actor. The router passes over both until Serve's
+controller stops listing them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ from itertools import groupby
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+# A module, not a name from it: Serve pickles this module by value into every process that routes, so a registry
+# defined here would be a private copy there, never the one the ingress reads.
+from app import replica_view
 
 ROUTING_STATS_PERIOD_S = 0.5
 
@@ -29,8 +39,34 @@ def load_rank(stats: dict[str, Any]) -> tuple[int, int]:
 
 
 class EngineLoadRouter(FIFOMixin, RequestRouter):
+    def __init__(self, deployment_id, *args, **kwargs):
+        super().__init__(deployment_id, *args, **kwargs)
+        self.populated = False  # whether Serve has told this router its replicas yet
+        self.failed: frozenset[str] = frozenset()  # replicas (unique ids) seen dead, or whose engine died
+        replica_view.ROUTERS[deployment_id.app_name, deployment_id.name] = self
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.populated = True
+        # A failed replica that Serve no longer lists has been replaced: nothing left to pass over.
+        self.failed &= {replica.replica_id.unique_id for replica in replicas}
+
+    def mark_failed(self, replica: str) -> None:
+        self.failed |= {replica}
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        # Serve drops a dead replica only until its controller next lists the deployment's replicas, which it does
+        # with the dead one among them until its health check fails: keep passing it over until then.
+        super().on_replica_actor_died(replica_id)
+        self.mark_failed(replica_id.unique_id)
+
+    def usable_replicas(self) -> set[str]:
+        """The replicas a leg could be routed to now."""
+        return {replica_id.unique_id for replica_id in self.curr_replicas} - self.failed
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         ranked = sorted((load_rank(replica.routing_stats), index, replica)
-                        for index, replica in enumerate(candidate_replicas))
+                        for index, replica in enumerate(candidate_replicas)
+                        if replica.replica_id.unique_id not in self.failed)
         return [[replica for _, _, replica in group] for _, group in groupby(ranked, key=lambda entry: entry[0])]

@@ -35,11 +35,15 @@ class RequestTimeline:
         """Stamp `event` now, unless it happened already (only its first occurrence counts)."""
         self.events.setdefault(event, time.time())
 
-    def add_engine(self, role: str, engine_events: dict[str, float], replica: str | None) -> None:
+    def add_engine(self, role: str, engine_events: dict[str, float]) -> None:
         for event, at in engine_events.items():
             self.events.setdefault(f"{role}_{event}", at)
-        if replica is not None:
-            self.replicas.setdefault(role, replica)
+
+    def taken(self, role: str, replica: str) -> None:
+        """A replica of `role` took the request's leg (its first answer arrived). After a retry, the replica that
+        took it last is the one that served it."""
+        self.mark(f"{role}_taken")
+        self.replicas[role] = replica
 
     def dispatched(self, role: str) -> None:
         self.mark(f"{role}_dispatched")

@@ -125,11 +125,24 @@ def rsllm_pd_app(config: PDAppConfig):
                                 "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
 
 
-def serve_replica_pids(app_name: str) -> list[int]:
-    """Pids of the replicas of every deployment of one Serve application (each replica actor reports its own)."""
+def serve_actor_pids(prefix: str) -> dict[str, int]:
+    """Pids of the Ray actors whose names start with `prefix` (Serve names its replicas `SERVE_REPLICA::app#...`,
+    its proxies `SERVE_PROXY_ACTOR-...` and its controller `SERVE_CONTROLLER_ACTOR`), by actor name."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{app_name}#"
-    replicas = [ray.get_actor(actor["name"], namespace=actor["namespace"])
-                for actor in ray.util.list_named_actors(all_namespaces=True) if actor["name"].startswith(prefix)]
-    return ray.get([replica.__ray_call__.remote(lambda _: os.getpid()) for replica in replicas])
+    from ray.exceptions import RayActorError
+
+    pids = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(prefix):
+            try:
+                handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                pids[actor["name"]] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
+            except (RayActorError, ValueError):
+                pass  # died since it was listed (ValueError: its name is already gone)
+    return pids
+
+
+def serve_replica_pids(app_name: str) -> list[int]:
+    """Pids of the replicas of every deployment of one Serve application."""
+    return list(serve_actor_pids(f"SERVE_REPLICA::{app_name}#").values())

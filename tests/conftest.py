@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
 import re
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import httpx
 import pytest
 import yaml
 
@@ -25,6 +23,14 @@ ROLES = ("prefill", "decode")
 # Short lifetimes keep the lease and timeout tests quick; everything else is the CPU default.
 LEASE_S = 4
 PUSH_TIMEOUT_S = 10  # a burst of 20 requests keeps the one prefill core busy for several seconds
+OWN_APP_START_S = 600  # a hang bound: engines of a module's own app start in 1-2 min on these cores
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """test_make_serve runs first, while no other Ray runs on the machine, as on a user's: a second cluster's dashboard
+    agent cannot bind Ray's fixed agent port (52365, which ray.init cannot move) while the session's cluster holds it,
+    and without that agent the README's `ray job submit` answers "No available agent to submit job"."""
+    items.sort(key=lambda item: item.module.__name__ != "test_make_serve")  # stable: the rest keep their order
 
 
 @dataclass(frozen=True)
@@ -70,16 +76,12 @@ def prompt_token_ids(tokenizer, case: Case) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def reference_outputs(tokenizer, tmp_path_factory) -> dict[str, dict[str, Any]]:
+def reference_outputs(tokenizer) -> dict[str, dict[str, Any]]:
     """Computed before the app starts, in a separate process, so the reference engine never shares cores."""
+    from bench.colocated_reference import colocated_outputs
+
     prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, c), "max_tokens": c.max_tokens} for c in CASES]
-    out = tmp_path_factory.mktemp("reference") / "outputs.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "colocated_reference.py"), str(CPU_CONFIG), str(out)],
-        input=json.dumps(prompts), capture_output=True, text=True, cwd=ROOT, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    outputs = json.loads(out.read_text())
+    outputs = colocated_outputs(CPU_CONFIG, prompts)
     return {case.name: {**out, "prompt_token_ids": p["prompt_token_ids"]}
             for case, out, p in zip(CASES, outputs, prompts)}
 
@@ -170,6 +172,30 @@ def deploy_ingress(app: RunningApp, name: str, ingress: dict | None = None, deco
     return f"{app.base_url}/{name}"
 
 
+@contextlib.contextmanager
+def own_app(app: RunningApp, config: dict, name: str) -> Iterator[str]:
+    """The app from `config`, with engines of its own, as the Serve application at /<name> until the block ends;
+    yields its URL once /health says both legs can take requests."""
+    from ray import serve
+
+    from app.builder import build_app
+
+    # serve.run would wait for RUNNING without a bound; its internal _run deploys without waiting (Ray 2.60)
+    serve._run(build_app(config), name=name, route_prefix=f"/{name}", _blocking=False)
+    url = f"{app.base_url}/{name}"
+    try:
+        # Bounded, and deleted whatever happens: an application that never runs would otherwise hold its resources
+        # and starve every module after this one.
+        status = wait_until(lambda: serve.status().applications.get(name),
+                            lambda s: s and s.status in ("RUNNING", "DEPLOY_FAILED"), timeout_s=OWN_APP_START_S)
+        assert status and status.status == "RUNNING", f"{name} did not start within {OWN_APP_START_S} s: {status}"
+        assert wait_until(lambda: httpx.get(url + "/health", timeout=10).status_code, lambda code: code == 200,
+                          timeout_s=60) == 200
+        yield url
+    finally:
+        serve.delete(name)
+
+
 @pytest.fixture(scope="session")
 def app(reference_outputs) -> RunningApp:
     """The app from the CPU default config on a Ray cluster this session starts and stops."""
@@ -180,8 +206,6 @@ def app(reference_outputs) -> RunningApp:
     from kv.engine_identity import free_port
 
     port, metrics_port, dashboard_port = (free_port("127.0.0.1") for _ in range(3))
-    # Jobs submitted to this cluster run `python` as a user's shell would find it: this venv's.
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     # Two cores, and logical CPUs for the engines some modules start beside the app's (they share those cores): the
     # recompute test's decode engine, then test_replicas' four.
     # Metrics are exported each second rather than every ten, so that a test sees them soon after requests.

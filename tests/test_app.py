@@ -125,7 +125,7 @@ def test_concurrent_clients_all_decode_together(app):
                           headers={"x-kv-transfer-mode": "pull"}) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
-            while not (line := next(lines)).startswith("data: {"):
+            while not next(lines).startswith("data: {"):
                 pass
             first_token_at.append(time.monotonic())
             for _ in lines:

@@ -14,7 +14,7 @@ from vllm import SamplingParams
 
 from app.builder import engine_deployment
 from app.config import PDAppConfig
-from app.engine_protocol import EngineRequest
+from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult
 from app.engine_server import DecodeServer
 from conftest import CASES, LEASE_S, PUSH_TIMEOUT_S, app_config, counter_growth, prompt_token_ids, wait_until
 from kv.transfer_params import new_transfer_id, prefill_params, pull_decode_params, push_decode_params
@@ -72,12 +72,23 @@ def _legs(app, tokenizer, case):
     return prefill, decode
 
 
-def _run_prefill(app, leg) -> None:
-    list(app.handles["prefill"].options(stream=True).prefill.remote(leg))
+def _after_acceptance(stream) -> list:
+    """A leg's messages after the replica's acknowledgement, which every leg sends first."""
+    accepted, *messages = list(stream)
+    assert isinstance(accepted, LegAccepted), accepted
+    return messages
+
+
+def _prefill(app, leg) -> list[PrefillResult]:
+    return _after_acceptance(app.handles["prefill"].options(stream=True).prefill.remote(leg))
+
+
+def _decode_chunks(handle, leg) -> list[EngineChunk]:
+    return _after_acceptance(handle.options(stream=True).generate.remote(leg))
 
 
 def _run_decode(app, leg) -> list[int]:
-    return [t for chunk in app.handles["decode"].options(stream=True).generate.remote(leg) for t in chunk.token_ids]
+    return [t for chunk in _decode_chunks(app.handles["decode"], leg) for t in chunk.token_ids]
 
 
 def test_push_with_decode_registering_first(app, tokenizer, reference_outputs):
@@ -90,7 +101,7 @@ def test_push_with_decode_registering_first(app, tokenizer, reference_outputs):
     # Decode allocates and sends its registration within milliseconds; prefill starts well after that (and well
     # inside the push timeout). An idle prefill engine reads the registration when it starts working.
     time.sleep(PUSH_TIMEOUT_S / 3)
-    _run_prefill(app, prefill_leg)
+    _prefill(app, prefill_leg)
     decode.join(timeout=60)
     assert decoded == reference_outputs[case.name]["token_ids"]
     grew = app.growth(before, app.wait_for_totals(
@@ -104,7 +115,7 @@ def test_push_with_prefill_finishing_first(app, tokenizer, reference_outputs):
     case = CASES[1]
     prefill_leg, decode_leg = _legs(app, tokenizer, case)
     before = app.totals()
-    _run_prefill(app, prefill_leg)  # prefill is done and holds its blocks under lease before decode even starts
+    _prefill(app, prefill_leg)  # prefill is done and holds its blocks under lease before decode even starts
     assert app.loads()["prefill"]["kv_cache_usage"] > 0
     assert _run_decode(app, decode_leg) == reference_outputs[case.name]["token_ids"]
     grew = app.growth(before, app.wait_for_totals(
@@ -121,7 +132,7 @@ def test_untaken_prefill_result_is_freed_at_lease_expiry(app, tokenizer):
     leg = EngineRequest(f"untaken-{transfer_id}", prompt_token_ids(tokenizer, CASES[2]),
                         SamplingParams(temperature=0.0, max_tokens=4), prefill_params("pull", transfer_id))
     before = app.totals()
-    _run_prefill(app, leg)
+    _prefill(app, leg)
     assert app.loads()["prefill"]["kv_cache_usage"] > 0  # held for a decode engine that never comes
     loads = app.wait_until_idle(LEASE_S + 10)
     assert loads["prefill"]["kv_cache_usage"] == 0
@@ -138,7 +149,7 @@ def _late_pull_decode_leg(app, tokenizer, case) -> EngineRequest:
     ids = prompt_token_ids(tokenizer, case)
     params = SamplingParams(temperature=0.0, max_tokens=case.max_tokens)
     prefill_leg = EngineRequest(f"late-{transfer_id}", ids, params, prefill_params("pull", transfer_id))
-    result = list(app.handles["prefill"].options(stream=True).prefill.remote(prefill_leg))[-1]
+    result = _prefill(app, prefill_leg)[-1]
     time.sleep(LEASE_S)
     return EngineRequest(f"late-{transfer_id}", ids, params, pull_decode_params(result.kv_transfer_params))
 
@@ -151,7 +162,7 @@ def _refused_reads(before: dict, read) -> Counter:
 def test_pull_decode_arriving_after_the_lease_fails_and_never_reads(app, tokenizer):
     decode_leg = _late_pull_decode_leg(app, tokenizer, CASES[1])
     before = app.totals()
-    chunks = list(app.handles["decode"].options(stream=True).generate.remote(decode_leg))
+    chunks = _decode_chunks(app.handles["decode"], decode_leg)
     assert chunks[-1].finish_reason == "error" and not any(c.token_ids for c in chunks)
     grew = _refused_reads(before["decode"], lambda: app.totals()["decode"])
     assert grew["pull_lease_expired"] == 1 and grew["pull_transfers"] == 0
@@ -162,7 +173,7 @@ def test_pull_decode_arriving_after_the_lease_recomputes(recompute_decode, app, 
     case = CASES[1]
     decode_leg = _late_pull_decode_leg(app, tokenizer, case)
     before = recompute_decode.transfer_totals.remote().result()
-    chunks = list(recompute_decode.options(stream=True).generate.remote(decode_leg))
+    chunks = _decode_chunks(recompute_decode, decode_leg)
     assert [t for c in chunks for t in c.token_ids] == reference_outputs[case.name]["token_ids"]
     grew = _refused_reads(before, lambda: recompute_decode.transfer_totals.remote().result())
     assert grew["pull_lease_expired"] == 1 and grew["pull_transfers"] == 0
@@ -174,7 +185,7 @@ def test_push_registration_without_write_times_out_and_fails(app, tokenizer):
     _, decode_leg = _legs(app, tokenizer, CASES[1])
     before = app.totals()
     started = time.monotonic()
-    chunks = list(app.handles["decode"].options(stream=True).generate.remote(decode_leg))
+    chunks = _decode_chunks(app.handles["decode"], decode_leg)
     waited = time.monotonic() - started
     assert PUSH_TIMEOUT_S <= waited < PUSH_TIMEOUT_S + 10
     assert chunks[-1].finish_reason == "error" and not any(c.token_ids for c in chunks)
@@ -202,7 +213,7 @@ def test_push_registration_without_write_times_out_and_recomputes(recompute_deco
     case = CASES[1]
     _, decode_leg = _legs(app, tokenizer, case)  # registers with the app's prefill, which never WRITEs
     before = recompute_decode.transfer_totals.remote().result()
-    chunks = list(recompute_decode.options(stream=True).generate.remote(decode_leg))
+    chunks = _decode_chunks(recompute_decode, decode_leg)
     assert [t for c in chunks for t in c.token_ids] == reference_outputs[case.name]["token_ids"]
     assert chunks[-1].finish_reason == "length"
     after = wait_until(lambda: recompute_decode.transfer_totals.remote().result(),
@@ -251,7 +262,7 @@ def test_push_abandoned_while_waiting_for_its_write_frees_decode_at_once(app, to
     loads = app.wait_until_idle(timeout_s=PUSH_TIMEOUT_S)
     assert loads["decode"]["kv_cache_usage"] == 0
     assert time.monotonic() - cancelled < PUSH_TIMEOUT_S / 4
-    _run_prefill(app, prefill_leg)  # holds its blocks under lease: the withdrawn registration is gone
+    _prefill(app, prefill_leg)  # holds its blocks under lease: the withdrawn registration is gone
     app.wait_until_idle(LEASE_S + 10)
     grew = app.growth(before, app.wait_for_totals(
         lambda t: t["prefill"]["kv_transfers"].get("kv_expired_reqs", 0)

@@ -1,17 +1,22 @@
 """Several replicas per leg, routed by Serve's request router on the load engines report (app/routing.py): the
 1P2D preset's decode side (two decode replicas sharing core 1), with a second prefill replica for push pairing.
-Real engines and transfers; the app runs beside the session's, in front of engines of its own."""
+Real engines and transfers; the app runs beside the session's, in front of engines of its own. Last, one decode
+replica is killed and the other serves every request after."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
+import time
 
 import httpx
 import pytest
 import yaml
 
-from conftest import CASES, LEASE_S, PUSH_TIMEOUT_S, ROOT, wait_until
+from bench.systems import serve_actor_pids
+from conftest import CASES, LEASE_S, PUSH_TIMEOUT_S, ROOT, own_app
 
 pytestmark = pytest.mark.engines
 MODEL = "tiny-qwen3"
@@ -20,19 +25,11 @@ NAME = "pd-nxm"
 
 @pytest.fixture(scope="module")
 def url(app):
-    from ray import serve
-
-    from app.builder import build_app
-
     raw = yaml.safe_load((ROOT / "configs" / "cpu-1p2d.yaml").read_text())
     raw["transfer"].update(lease_s=LEASE_S, push_timeout_s=PUSH_TIMEOUT_S)
     raw["prefill"] = {**raw["prefill"], "deployment_config": {"num_replicas": 2}, "cpu_cores": ["0", "0"]}
-    serve.run(build_app(raw), name=NAME, route_prefix=f"/{NAME}")
-    url = f"{app.base_url}/{NAME}"
-    assert wait_until(lambda: httpx.get(url + "/health", timeout=10).status_code, lambda code: code == 200,
-                      timeout_s=60) == 200
-    yield url
-    serve.delete(NAME)
+    with own_app(app, raw, NAME) as url:
+        yield url
 
 
 def complete(url: str, mode: str, case) -> dict:
@@ -73,3 +70,18 @@ def test_push_registrations_reach_the_prefill_replica_that_computes(url):
     assert all(transferred_whole_prompt(result) for result in results)
     assert len({result["pd_timings"]["replicas"]["prefill"] for result in results}) == 2  # both prefill replicas
     assert all(result["choices"][0]["finish_reason"] == "length" for result in results)
+
+
+def test_after_a_decode_replica_is_killed_requests_are_served_by_the_other(url):
+    """Runs last here: it leaves one decode replica dead (Serve replaces it after the module)."""
+    decode_pids = serve_actor_pids(f"SERVE_REPLICA::{NAME}#DecodeServer#")
+    victim, victim_pid = sorted(decode_pids.items())[0]
+    os.kill(victim_pid, signal.SIGKILL)
+    served = []
+    for mode in ("pull", "push", "local") * 2:
+        started = time.monotonic()
+        result = complete(url, mode, CASES[1])
+        assert time.monotonic() - started < 2, mode
+        served.append(result["pd_timings"]["replicas"]["decode"])
+        assert mode == "local" or transferred_whole_prompt(result)
+    assert victim.rsplit("#", 1)[1] not in served, served

@@ -9,11 +9,12 @@ from app.routing import EngineLoadRouter, load_rank
 
 
 def replica(name: str, **stats) -> SimpleNamespace:
-    return SimpleNamespace(name=name, routing_stats=stats)
+    return SimpleNamespace(name=name, routing_stats=stats, replica_id=SimpleNamespace(unique_id=name))
 
 
-def ranks(*replicas) -> list[list[str]]:
-    router = object.__new__(EngineLoadRouter)  # ranking reads nothing of the router's own state
+def ranks(*replicas, failed: frozenset[str] = frozenset()) -> list[list[str]]:
+    router = object.__new__(EngineLoadRouter)  # ranking reads only the replicas marked failed
+    router.failed = failed
     return [[r.name for r in rank] for rank in asyncio.run(router.choose_replicas(list(replicas)))]
 
 
@@ -32,3 +33,8 @@ def test_equal_ranks_are_left_to_serves_count_of_requests_in_flight():
 def test_a_replica_that_has_not_reported_ranks_as_idle():
     assert load_rank({}) == (0, 0)
     assert ranks(replica("busy", waiting=1, kv_cache_usage=0.5), replica("new")) == [["new"], ["busy"]]
+
+
+def test_a_replica_whose_engine_died_is_passed_over():
+    assert ranks(replica("dead"), replica("busy", waiting=3), failed=frozenset({"dead"})) == [["busy"]]
+    assert ranks(replica("dead"), failed=frozenset({"dead"})) == []  # Serve's router waits; the ingress does not

@@ -18,10 +18,18 @@ def test_only_the_first_stamp_of_an_event_counts():
     timeline.mark("first_token_sent")
     first = timeline.events["first_token_sent"]
     timeline.mark("first_token_sent")
-    timeline.add_engine("decode", {"queued": first + 5}, "replica-a")
-    timeline.add_engine("decode", {"queued": first + 9}, "replica-b")
+    timeline.add_engine("decode", {"queued": first + 5})
+    timeline.add_engine("decode", {"queued": first + 9})
     assert timeline.events["first_token_sent"] == first and timeline.events["decode_queued"] == first + 5
-    assert timeline.report()["replicas"] == {"decode": "replica-a"}
+
+
+def test_the_replica_that_took_a_leg_last_is_reported():
+    """A leg retried on another replica (its first replica died) was served by the second."""
+    timeline = RequestTimeline()
+    timeline.taken("decode", "replica-a")
+    taken_at = timeline.events["decode_taken"]
+    timeline.taken("decode", "replica-b")
+    assert timeline.report()["replicas"] == {"decode": "replica-b"} and timeline.events["decode_taken"] == taken_at
 
 
 def test_report_orders_events_from_arrival_in_milliseconds():

@@ -1,13 +1,31 @@
 """Greedy outputs of one colocated vLLM engine (no disaggregation, no KV connector): the reference the app must match.
 
-Run as a script in its own process so its engine is gone before the app's engines start:
-    python tests/colocated_reference.py CONFIG_YAML OUTPUT_JSON < prompts.json
-where prompts.json is a list of {"prompt_token_ids": [...], "max_tokens": N}.
+`colocated_outputs` runs this file as a script in a process of its own, so that its engine is gone before the app's
+engines start (the tests' session and `bench.chaos` compute their references this way).
 """
+
+from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def colocated_outputs(config_path: Path, prompts: list[dict], timeout_s: float = 600) -> list[dict]:
+    """For each {"prompt_token_ids": [...], "max_tokens": N}: {"text", "token_ids"} of a greedy completion by one
+    engine of `config_path`'s decode side."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "outputs.json"
+        done = subprocess.run([sys.executable, __file__, str(config_path), str(out)], input=json.dumps(prompts),
+                              capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"the colocated reference engine failed:\n{done.stderr[-4000:]}")
+        return json.loads(out.read_text())
 
 
 def main() -> None:

@@ -1,0 +1,47 @@
+"""Which engine replicas of each leg can take a request right now, as this ingress process sees them.
+
+The source is the request router of each engine deployment in this process (app/routing.py). Serve keeps it up to
+date with the replicas its controller lists as running, and it drops a replica the moment any call to it finds its
+actor dead, long before Serve's health check would. The ingress adds the replicas whose engine died inside a live
+actor (they answer every leg with `ReplicaUnavailable`). So a leg with no usable replica is refused with a 503 at
+once, instead of waiting in Serve's router until a replacement engine is up, which takes a minute or more.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping
+
+from ray.serve.handle import DeploymentHandle
+
+if TYPE_CHECKING:
+    from app.routing import EngineLoadRouter
+
+# This process's router of each engine deployment, by (application, deployment), once its handle has been used.
+# Each router adds itself when Serve creates it.
+ROUTERS: dict[tuple[str, str], EngineLoadRouter] = {}
+
+
+class ReplicaView:
+    def __init__(self, engines: Mapping[str, DeploymentHandle]):
+        self._deployments = {role: (handle.app_name, handle.deployment_name) for role, handle in engines.items()}
+
+    def _router(self, role: str) -> EngineLoadRouter | None:
+        router = ROUTERS.get(self._deployments[role])
+        return router if router is not None and router.populated else None
+
+    def usable(self, role: str) -> int | None:
+        """How many replicas of `role` a leg could go to now; None until this process has heard from Serve."""
+        router = self._router(role)
+        return None if router is None else len(router.usable_replicas())
+
+    def down(self, roles: tuple[str, ...]) -> list[str]:
+        """The legs among `roles` that no replica could take now."""
+        return [role for role in roles if self.usable(role) == 0]
+
+    def mark_failed(self, role: str, replica: str) -> None:
+        """`replica`'s engine is dead: route no leg of `role` to it until Serve replaces it."""
+        if (router := self._router(role)) is not None:
+            router.mark_failed(replica)
+
+    def replicas(self) -> dict[str, int | None]:
+        return {role: self.usable(role) for role in self._deployments}
