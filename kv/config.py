@@ -78,7 +78,8 @@ class TransferConfig(StrictModel):
     @classmethod
     def _backends_have_one_home(cls, extra: dict[str, Any]) -> dict[str, Any]:
         owned = {"backends", "push_registration_timeout", "kv_lease_duration", "progress_thread",
-                 "step_spin_s"} & extra.keys()
+                 "step_spin_s", "side_channel_port"} & extra.keys()
         if owned:
-            raise ValueError(f"{sorted(owned)} are set by the transfer section's own fields, not connector_extra_config")
+            raise ValueError(f"{sorted(owned)} are set by the transfer section's own fields or per engine, not "
+                             "connector_extra_config")
         return extra

@@ -25,12 +25,16 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def claim_identity(role: str, host: str) -> TransferIdentity:
-    """A fresh identity for one engine, exported to vLLM's NIXL connector through its environment variables.
+def claim_identity(role: str, host: str, port_in_env: bool) -> TransferIdentity:
+    """A fresh identity for one engine. Must run in the engine's own process before the engine starts.
 
-    Must run in the engine's own process before the engine starts: vLLM reads these when it builds the connector.
+    The host reaches vLLM's NIXL connector through its environment variable. The port does so only where
+    `port_in_env` (vLLM's own connector reads it nowhere else): vLLM hashes that variable into its compile-cache
+    key, so a port that differs per engine makes every engine compile its model afresh (minutes on CPU). The
+    project's connector takes the port from its extra config (kv/transfer_config.py) instead.
     """
     identity = TransferIdentity(f"{role}-{uuid.uuid4().hex[:12]}", host, free_port(host))
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = identity.side_channel_host
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(identity.side_channel_port)
+    if port_in_env:
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(identity.side_channel_port)
     return identity

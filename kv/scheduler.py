@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 
 from kv.push_matching import withdrawal_of
 from kv.step_spin import limit_step_spin
+from kv.transfer_config import SIDE_CHANNEL_PORT_KEY
 from kv.transfer_params import LEASE_EXPIRES_AT_KEY, MODE_KEY, TRANSFER_ID_KEY
 
 logger = init_logger(__name__)
@@ -47,7 +48,11 @@ def transfer_mode(params: dict[str, Any] | None) -> str:
 class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
     def __init__(self, vllm_config, *args, **kwargs):
         super().__init__(vllm_config, *args, **kwargs)
-        spin_s = vllm_config.kv_transfer_config.kv_connector_extra_config.get("step_spin_s")
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        # The engine's own port (kv/engine_identity.py says why it is not read from the environment); the listener
+        # that binds it starts later, once the workers' handshake metadata is known.
+        self.side_channel_port = extra[SIDE_CHANNEL_PORT_KEY] + vllm_config.parallel_config.data_parallel_index
+        spin_s = extra.get("step_spin_s")
         if spin_s is not None:  # the engine-core process waits for each step's result here
             limit_step_spin(spin_s)
         # Decode side: mode of each request whose receive has not yet been handed to the worker.

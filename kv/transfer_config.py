@@ -5,15 +5,20 @@ from __future__ import annotations
 from vllm.config import KVTransferConfig
 
 from kv.config import TransferConfig
+from kv.engine_identity import TransferIdentity
 
 
-def build_kv_transfer_config(transfer: TransferConfig, engine_id: str) -> KVTransferConfig:
+# The key under which the project's connector finds its engine's side-channel port (kv/scheduler.py).
+SIDE_CHANNEL_PORT_KEY = "side_channel_port"
+
+
+def build_kv_transfer_config(transfer: TransferConfig, identity: TransferIdentity) -> KVTransferConfig:
     # Both sides run the same connector in role kv_both: which way KV flows is a per-request decision.
     return KVTransferConfig(
         kv_connector=transfer.connector.name,
         kv_connector_module_path=transfer.connector.module_path,
         kv_role="kv_both",
-        engine_id=engine_id,
+        engine_id=identity.engine_id,
         kv_buffer_device=transfer.kv_buffer_device,
         kv_load_failure_policy=transfer.on_transfer_failure,
         kv_connector_extra_config={
@@ -23,5 +28,6 @@ def build_kv_transfer_config(transfer: TransferConfig, engine_id: str) -> KVTran
             "kv_lease_duration": transfer.lease_s,
             "progress_thread": transfer.progress_thread,
             "step_spin_s": transfer.step_spin_s,
+            SIDE_CHANNEL_PORT_KEY: identity.side_channel_port,
         },
     )

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from app.builder import build_app, engine_deployment, ingress_options, resolve_config_path
 from app.config import PDAppConfig, load_config
 from app.engine_server import DecodeServer, PrefillServer
+from kv.engine_identity import TransferIdentity
 from kv.transfer_config import build_kv_transfer_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -72,7 +73,7 @@ def test_gpu_preset_resolves_to_whole_nodes_and_efa(preset):
         assert side.engine_kwargs["enable_prefix_caching"] is False
         assert side.cpu_cores is None
     assert config.model_id == "Qwen/Qwen3-32B"
-    kv_config = build_kv_transfer_config(config.transfer, "engine-x")
+    kv_config = build_kv_transfer_config(config.transfer, TransferIdentity("engine-x", "127.0.0.1", 5555))
     assert kv_config.kv_connector_extra_config["backends"] == ["LIBFABRIC"]
     assert kv_config.kv_buffer_device == "cuda" and kv_config.kv_role == "kv_both"
 
@@ -150,9 +151,10 @@ def test_config_is_immutable_once_validated():
 def test_presets_run_the_dual_mode_connector_with_bounded_lifetimes(preset):
     config = load_config(preset)
     assert set(config.transfer.modes) == {"push", "pull", "local"}
-    kv_config = build_kv_transfer_config(config.transfer, "engine-x")
+    kv_config = build_kv_transfer_config(config.transfer, TransferIdentity("engine-x", "127.0.0.1", 5555))
     assert (kv_config.kv_connector, kv_config.kv_connector_module_path) == ("DualModeNixlConnector", "kv.connector")
     extra = kv_config.kv_connector_extra_config
+    assert extra["side_channel_port"] == 5555  # the engine's own, not an environment variable (engine_identity.py)
     assert extra["push_registration_timeout"] == config.transfer.push_timeout_s < 60
     assert extra["kv_lease_duration"] == config.transfer.lease_s
     assert extra["progress_thread"] is False
