@@ -1,0 +1,277 @@
+"""Which way a request travels -- push, pull or local -- predicted from its prompt and the cluster's load, and why.
+
+Pure: no Ray, no vLLM, no I/O, no clock. The ingress calls it once a prompt is tokenized; a simulator can run the
+same code against modelled engines.
+
+The cost of each option is two numbers, in seconds:
+- ttft: hop (the option's fixed path cost) + queue (tokens already queued on the engine that prefills, times that
+  engine's seconds per token) + prefill (the prompt's tokens, times the same rate) + the hand-off, when the first
+  token is not seeded by prefill (it then waits for the KV on decode);
+- stall: what the option makes streams wait. A local prefill on a decode engine holds each of its R running streams
+  for the prefill's length (chunked prefill shares the steps); a hand-off holds them for one admission step. A seeded
+  remote request's own second token waits for its hand-off, counted here too.
+The option with the lowest `ttft_weight(class) * ttft + stall_weight * stall` wins.
+
+The coefficients start from configuration and are learned from what requests report (`CostModel.observe`): seconds
+per prompt token on each role's engine, kept per load level (how many streams decode is decoding), because where the
+serving stack shares cores with the engines a prefill slows while decode is busy; the hand-off's seconds per KV byte;
+and each mode's fixed cost (the part of its TTFT that no token count explains). An option that has not been seen at
+the current load level is tried now and then (`explore`), so a rate that changed with load is learned, not assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
+
+Mode = Literal["push", "pull", "local"]
+MODES: tuple[Mode, ...] = ("push", "pull", "local")
+Role = Literal["prefill", "decode"]
+
+# Why a request went the way it did (the `x-kv-transfer-reason` header, the metrics label).
+REQUESTED = "requested"  # the client named the mode
+CONFIGURED = "configured"  # the policy is a fixed mode
+LOWEST_COST = "lowest_cost"  # auto: the option predicted cheapest
+EXPLORE = "explore"  # auto: an option not yet measured at this load, tried so that its cost is learned
+PREFILL_UNAVAILABLE = "prefill_unavailable"  # no prefill replica can take it: decode prefills it itself
+DECODE_UNAVAILABLE = "decode_unavailable"  # no decode replica can take it: refused (503)
+PUSH_UNSUPPORTED = "push_unsupported"  # the request needs something push cannot carry: pull instead
+REASONS = (REQUESTED, CONFIGURED, LOWEST_COST, EXPLORE, PREFILL_UNAVAILABLE, DECODE_UNAVAILABLE, PUSH_UNSUPPORTED)
+
+# Load levels: streams decoding, in powers of two (0, 1, 2-3, 4-7, ..., 64 and more).
+LOAD_LEVELS = 8
+
+
+def load_level(streams: int) -> int:
+    return min(max(streams, 0).bit_length(), LOAD_LEVELS - 1)
+
+
+@dataclass(frozen=True)
+class RequestFeatures:
+    prompt_tokens: int  # counted after tokenizing
+    max_tokens: int
+    requested_mode: Mode | None = None  # the client's explicit choice, which wins where it can be served
+    qos_class: str = "interactive"
+    seeded: bool = True  # whether a disaggregated answer's first token comes from prefill (app/first_token.py)
+    push_capable: bool = True  # False for a request that needs something push cannot carry
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    replica: str
+    healthy: bool = True
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
+    kv_cache_usage: float = 0.0  # 0..1
+    decoding: int = 0  # decode: streams past their prefill
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    prefill: tuple[ReplicaLoad, ...]
+    decode: tuple[ReplicaLoad, ...]
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    ttft_s: float
+    stall_s: float
+    score: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    mode: Mode | None  # None: refused (no decode replica can take it)
+    reason: str
+    decode_replica: str | None = None  # push and local bind decode now; pull binds it after prefill
+    costs: Mapping[Mode, OptionCost] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CostPriors:
+    """Where the learned coefficients start, and the model's weights. The defaults are this project's tiny model on
+    this project's CPU machines; a GPU preset sets its own."""
+
+    prefill_s_per_token: float = 1.1e-4  # a prefill engine, idle
+    local_prefill_s_per_token: float = 1.2e-4  # a decode engine prefilling a prompt itself, idle
+    hop_s: Mapping[Mode, float] = field(default_factory=lambda: {"push": 0.015, "pull": 0.01, "local": 0.008})
+    handoff_fixed_s: float = 0.01  # a READ or WRITE of any size, and its notices
+    handoff_s_per_byte: float = 1 / 2e9
+    kv_bytes_per_token: int = 4096  # layers x KV heads x head size x 2 (K and V) x dtype bytes
+    admit_step_s: float = 0.01  # one decode step that takes a new request's KV in
+    stall_weight: float = 1.0  # a second of a stream's stall against a second of the new request's TTFT
+    ttft_weight: Mapping[str, float] = field(default_factory=lambda: {"interactive": 1.0, "batch": 0.25})
+    push_kv_limit: float = 0.9  # push holds decode blocks while prefill runs: not onto a decode fuller than this
+    learning_rate: float = 0.2  # weight of each new observation in the learned coefficients
+    min_samples: int = 3  # an option seen fewer times than this at a load level is worth exploring there
+    explore_every: int = 20  # at most one exploring decision in this many
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one finished request tells the model (from its timeline)."""
+
+    mode: Mode
+    prompt_tokens: int
+    decoding: int  # streams decoding on the engine that prefilled (local) or in the cluster (push, pull)
+    prefill_s: float  # the engine's compute of the prompt
+    ttft_s: float | None = None  # ingress-stamped; with the queue and prefill removed, it teaches the mode's hop
+    queue_s: float = 0.0
+    handoff_s: float | None = None  # push and pull: the KV's crossing
+
+
+class CostModel:
+    """The learned coefficients: each an exponentially weighted average of what requests reported."""
+
+    def __init__(self, priors: CostPriors):
+        self.priors = priors
+        self.rates: dict[tuple[Role, int], float] = {}  # (engine role, load level) -> seconds per prompt token
+        self.samples: dict[tuple[Mode, int], int] = {}  # (mode, load level) -> observations
+        self.hop_s: dict[Mode, float] = dict(priors.hop_s)
+        self.handoff_s_per_byte = priors.handoff_s_per_byte
+
+    def _blend(self, old: float, new: float) -> float:
+        return old + self.priors.learning_rate * (new - old)
+
+    def rate(self, role: Role, level: int) -> float:
+        """Seconds per prompt token on `role`'s engine at `level`: learned there, else at the nearest level below
+        that was seen (load slows an engine, never speeds it), else the prior."""
+        for at in range(level, -1, -1):
+            if (role, at) in self.rates:
+                return self.rates[role, at]
+        return self.priors.local_prefill_s_per_token if role == "decode" else self.priors.prefill_s_per_token
+
+    def handoff_s(self, prompt_tokens: int) -> float:
+        return self.priors.handoff_fixed_s + prompt_tokens * self.priors.kv_bytes_per_token * self.handoff_s_per_byte
+
+    def observe(self, seen: Observation) -> None:
+        role: Role = "decode" if seen.mode == "local" else "prefill"
+        level = load_level(seen.decoding)
+        key = (seen.mode, level)
+        self.samples[key] = self.samples.get(key, 0) + 1
+        if seen.prompt_tokens > 0 and seen.prefill_s > 0:
+            observed = seen.prefill_s / seen.prompt_tokens
+            self.rates[role, level] = self._blend(self.rate(role, level), observed) if (role, level) in self.rates \
+                else observed
+        if seen.handoff_s is not None and seen.prompt_tokens > 0:
+            kv_bytes = seen.prompt_tokens * self.priors.kv_bytes_per_token
+            per_byte = max(seen.handoff_s - self.priors.handoff_fixed_s, 0.0) / kv_bytes
+            self.handoff_s_per_byte = self._blend(self.handoff_s_per_byte, per_byte)
+        if seen.ttft_s is not None:
+            hop = max(seen.ttft_s - seen.queue_s - seen.prefill_s, 0.0)
+            self.hop_s[seen.mode] = self._blend(self.hop_s[seen.mode], hop)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    policy: Literal["auto", "push", "pull", "local"] = "auto"
+    modes: tuple[Mode, ...] = MODES  # the modes the engines serve (local always)
+    local_when_prefill_down: bool = True
+    priors: CostPriors = CostPriors()
+
+
+class ModePolicy:
+    def __init__(self, config: PolicyConfig):
+        if config.policy != "auto" and config.policy not in config.modes:
+            raise ValueError(f"policy {config.policy!r} is not among the modes served: {list(config.modes)}")
+        self.config = config
+        self.model = CostModel(config.priors)
+        self._since_explore = 0
+
+    def decide(self, request: RequestFeatures, cluster: ClusterSnapshot) -> Decision:
+        if request.requested_mode is not None and request.requested_mode not in self.config.modes:
+            raise ValueError(f"mode {request.requested_mode!r} is not served: {list(self.config.modes)}")
+        best = _best_replicas(cluster)
+        if best.decode is None:
+            return Decision(None, DECODE_UNAVAILABLE)
+        fixed = request.requested_mode or (None if self.config.policy == "auto" else self.config.policy)
+        if fixed != "local" and best.prefill is None:
+            if not self.config.local_when_prefill_down:
+                return Decision(None, PREFILL_UNAVAILABLE)
+            return self._decided("local", PREFILL_UNAVAILABLE, request, best)
+        if fixed == "push" and not request.push_capable:
+            return self._decided("pull", PUSH_UNSUPPORTED, request, best)
+        if fixed is not None:
+            return self._decided(fixed, REQUESTED if request.requested_mode else CONFIGURED, request, best)
+        return self._auto(request, best)
+
+    def costs(self, request: RequestFeatures, cluster: ClusterSnapshot) -> dict[Mode, OptionCost]:
+        """Each served option's predicted cost (a disaggregated one only while a prefill replica is up)."""
+        return self._costs(request, _best_replicas(cluster))
+
+    def _auto(self, request: RequestFeatures, best: _BestReplicas) -> Decision:
+        costs = self._costs(request, best)
+        options = [mode for mode in costs if mode != "push" or (
+            request.push_capable and best.decode.kv_cache_usage <= self.config.priors.push_kv_limit)]
+        cheapest = min(options, key=lambda m: costs[m].score)
+        self._since_explore += 1
+        if self._since_explore >= self.config.priors.explore_every:
+            # The cheapest option is measured by being taken; another one taken too rarely at this load is taken
+            # now (the least seen, then the cheapest of those).
+            samples = {mode: self.model.samples.get((mode, best.level(mode)), 0) for mode in options}
+            unseen = [m for m in options if m != cheapest and samples[m] < self.config.priors.min_samples]
+            if unseen:
+                self._since_explore = 0
+                mode = min(unseen, key=lambda m: (samples[m], costs[m].score))
+                return Decision(mode, EXPLORE, best.bound(mode), costs)
+        return Decision(cheapest, LOWEST_COST, best.bound(cheapest), costs)
+
+    def _decided(self, mode: Mode, reason: str, request: RequestFeatures, best: _BestReplicas) -> Decision:
+        return Decision(mode, reason, best.bound(mode), self._costs(request, best))
+
+    def _costs(self, request: RequestFeatures, best: _BestReplicas) -> dict[Mode, OptionCost]:
+        priors, model, decode = self.config.priors, self.model, best.decode
+        weight = priors.ttft_weight.get(request.qos_class, 1.0)
+        tokens = request.prompt_tokens
+        costs: dict[Mode, OptionCost] = {}
+        for mode in self.config.modes:
+            if mode == "local":
+                rate = model.rate("decode", best.level(mode))
+                prefill_s = tokens * rate
+                ttft = model.hop_s["local"] + decode.queued_prefill_tokens * rate + prefill_s
+                stall = decode.decoding * prefill_s
+            elif best.prefill is None:
+                continue
+            else:
+                rate = model.rate("prefill", best.level(mode))
+                handoff = model.handoff_s(tokens)
+                ttft = model.hop_s[mode] + (best.prefill.queued_prefill_tokens + tokens) * rate
+                stall = decode.decoding * priors.admit_step_s
+                if request.seeded:
+                    stall += handoff  # the request's own second token waits for its KV
+                else:
+                    ttft += handoff + priors.admit_step_s
+            costs[mode] = OptionCost(ttft, stall, weight * ttft + priors.stall_weight * stall)
+        return costs
+
+
+def _decode_rank(replica: ReplicaLoad) -> tuple:
+    """The decode replica a new stream disturbs least: fewest streams and waiting requests, then the emptiest KV."""
+    return replica.decoding + replica.waiting, replica.kv_cache_usage, replica.replica
+
+
+@dataclass(frozen=True)
+class _BestReplicas:
+    prefill: ReplicaLoad | None  # the healthy prefill replica with the fewest tokens queued
+    decode: ReplicaLoad | None  # the healthy decode replica a new stream disturbs least
+    decoding: int  # streams decoding on all healthy decode replicas
+
+    def level(self, mode: Mode) -> int:
+        """The load level at which `mode`'s prefill runs (and its observation is filed, CostModel.observe): the
+        decode replica's own streams for local; the cluster's for a prefill engine, which shares cores with them
+        where engines share a node."""
+        return load_level(self.decode.decoding if mode == "local" else self.decoding)
+
+    def bound(self, mode: Mode) -> str | None:
+        """The decode replica a `mode` request is bound to now: push and local bind it; pull binds it after
+        prefill."""
+        return None if mode == "pull" else self.decode.replica
+
+
+def _best_replicas(cluster: ClusterSnapshot) -> _BestReplicas:
+    prefills = [replica for replica in cluster.prefill if replica.healthy]
+    decodes = [replica for replica in cluster.decode if replica.healthy]
+    return _BestReplicas(min(prefills, key=lambda replica: replica.queued_prefill_tokens, default=None),
+                         min(decodes, key=_decode_rank, default=None),
+                         sum(replica.decoding for replica in decodes))

@@ -1,0 +1,190 @@
+"""The mode policy (app/mode_policy.py): every reason, the cost model against hand-computed numbers, and what it
+learns. Pure logic: no engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.mode_policy import (
+    CONFIGURED,
+    DECODE_UNAVAILABLE,
+    EXPLORE,
+    LOWEST_COST,
+    PREFILL_UNAVAILABLE,
+    PUSH_UNSUPPORTED,
+    REQUESTED,
+    ClusterSnapshot,
+    CostPriors,
+    ModePolicy,
+    Observation,
+    PolicyConfig,
+    ReplicaLoad,
+    RequestFeatures,
+    load_level,
+)
+
+# Round numbers, so that costs can be computed by hand: 1 ms per 1,000 prompt tokens on either engine, no hand-off
+# cost but its fixed 10 ms, no exploring unless a test asks for it.
+PRIORS = CostPriors(prefill_s_per_token=1e-6, local_prefill_s_per_token=1e-6,
+                    hop_s={"push": 0.003, "pull": 0.002, "local": 0.001}, handoff_fixed_s=0.01,
+                    handoff_s_per_byte=0.0, admit_step_s=0.005, explore_every=10**9)
+
+
+def policy(**config) -> ModePolicy:
+    return ModePolicy(PolicyConfig(**{"priors": PRIORS, **config}))
+
+
+def cluster(prefill=(ReplicaLoad("p0"),), decode=(ReplicaLoad("d0"),)) -> ClusterSnapshot:
+    return ClusterSnapshot(tuple(prefill), tuple(decode))
+
+
+def request(tokens=1000, **fields) -> RequestFeatures:
+    return RequestFeatures(prompt_tokens=tokens, max_tokens=16, **fields)
+
+
+def test_costs_match_the_model_by_hand():
+    busy = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=3000)],
+                   decode=[ReplicaLoad("d0", decoding=4, queued_prefill_tokens=1000)])
+    costs = policy().costs(request(2000), busy)
+    # local: hop 1 ms + (1,000 queued + 2,000) x 1 us; each of decode's 4 streams waits out the 2 ms prefill
+    assert costs["local"].ttft_s == pytest.approx(0.004) and costs["local"].stall_s == pytest.approx(0.008)
+    # pull: hop 2 ms + (3,000 queued + 2,000) x 1 us; seeded, so the hand-off (10 ms) delays its own second token,
+    # and admitting the KV holds decode's 4 streams one 5 ms step
+    assert costs["pull"].ttft_s == pytest.approx(0.007) and costs["pull"].stall_s == pytest.approx(0.030)
+    assert costs["push"].ttft_s == pytest.approx(0.008) and costs["push"].stall_s == pytest.approx(0.030)
+    assert costs["pull"].score == pytest.approx(0.037)
+    unseeded = policy().costs(request(2000, seeded=False), busy)["pull"]  # the first token waits for the KV
+    assert unseeded.ttft_s == pytest.approx(0.007 + 0.010 + 0.005) and unseeded.stall_s == pytest.approx(0.020)
+
+
+def test_auto_takes_the_lowest_predicted_cost():
+    idle = policy().decide(request(100), cluster())
+    assert (idle.mode, idle.reason) == ("local", LOWEST_COST)  # no stream to stall, no hand-off to pay
+    assert idle.decode_replica == "d0" and set(idle.costs) == {"push", "pull", "local"}
+    # A long prompt onto a decode engine with many streams: every stream would wait for it
+    busy = policy().decide(request(20_000), cluster(decode=[ReplicaLoad("d0", decoding=16)]))
+    assert (busy.mode, busy.reason) == ("pull", LOWEST_COST) and busy.decode_replica is None  # bound late
+    assert busy.costs["pull"].score < busy.costs["local"].score
+
+
+def test_push_is_chosen_when_its_path_is_the_cheaper_one():
+    priors = CostPriors(**{**PRIORS.__dict__, "hop_s": {"push": 0.001, "pull": 0.004, "local": 0.001}})
+    decision = policy(priors=priors).decide(request(20_000), cluster(
+        decode=[ReplicaLoad("d0", decoding=8), ReplicaLoad("d1", decoding=2)]))
+    assert (decision.mode, decision.reason) == ("push", LOWEST_COST)
+    assert decision.decode_replica == "d1"  # bound now, to the replica with the fewest streams
+
+
+def test_push_is_not_chosen_onto_a_decode_whose_kv_is_nearly_full():
+    priors = CostPriors(**{**PRIORS.__dict__, "hop_s": {"push": 0.001, "pull": 0.004, "local": 0.001}})
+    full = cluster(decode=[ReplicaLoad("d0", decoding=8, kv_cache_usage=0.95)])
+    assert policy(priors=priors).decide(request(20_000), full).mode == "pull"
+
+
+def test_an_explicit_mode_is_obeyed_in_every_mode():
+    for mode in ("push", "pull", "local"):
+        decision = policy().decide(request(100, requested_mode=mode), cluster())
+        assert (decision.mode, decision.reason) == (mode, REQUESTED)
+        assert decision.costs  # predicted all the same, for the timeline
+
+
+def test_a_fixed_policy_is_configured():
+    decision = policy(policy="push").decide(request(100), cluster())
+    assert (decision.mode, decision.reason) == ("push", CONFIGURED)
+    with pytest.raises(ValueError, match="not among the modes served"):
+        policy(policy="push", modes=("pull", "local"))
+
+
+def test_a_mode_the_engines_do_not_serve_is_refused():
+    with pytest.raises(ValueError, match="not served"):
+        policy(modes=("pull", "local")).decide(request(requested_mode="push"), cluster())
+
+
+def test_auto_only_considers_the_modes_served():
+    priors = CostPriors(**{**PRIORS.__dict__, "hop_s": {"push": 0.0, "pull": 0.004, "local": 0.001}})
+    decision = policy(priors=priors, modes=("pull", "local")).decide(request(20_000), cluster(
+        decode=[ReplicaLoad("d0", decoding=8)]))
+    assert decision.mode == "pull" and "push" not in decision.costs
+
+
+def test_prefill_down_is_served_local_with_its_reason():
+    down = cluster(prefill=[ReplicaLoad("p0", healthy=False)])
+    for requested in (None, "pull", "push"):
+        decision = policy().decide(request(20_000, requested_mode=requested), down)
+        assert (decision.mode, decision.reason) == ("local", PREFILL_UNAVAILABLE)
+        assert set(decision.costs) == {"local"}  # nothing to predict for a leg that cannot run
+    assert policy().decide(request(requested_mode="local"), down).reason == REQUESTED
+    refused = policy(local_when_prefill_down=False).decide(request(), down)
+    assert (refused.mode, refused.reason) == (None, PREFILL_UNAVAILABLE)
+
+
+def test_decode_down_is_refused():
+    for decode in ([], [ReplicaLoad("d0", healthy=False)]):
+        decision = policy().decide(request(), cluster(decode=decode))
+        assert (decision.mode, decision.reason) == (None, DECODE_UNAVAILABLE)
+
+
+def test_push_a_request_cannot_take_goes_pull():
+    decision = policy().decide(request(requested_mode="push", push_capable=False), cluster())
+    assert (decision.mode, decision.reason) == ("pull", PUSH_UNSUPPORTED)
+    assert policy(policy="push").decide(request(push_capable=False), cluster()).reason == PUSH_UNSUPPORTED
+    cheap_push = CostPriors(**{**PRIORS.__dict__, "hop_s": {"push": 0.0, "pull": 0.004, "local": 0.001}})
+    busy = cluster(decode=[ReplicaLoad("d0", decoding=8)])
+    assert policy(priors=cheap_push).decide(request(20_000, push_capable=False), busy).mode == "pull"
+
+
+def test_only_healthy_replicas_count():
+    decision = policy().decide(request(20_000), cluster(
+        decode=[ReplicaLoad("d0", decoding=0, healthy=False), ReplicaLoad("d1", decoding=16)]))
+    assert decision.mode == "pull"  # d0 would take local at no stall, but it is down
+
+
+def test_a_batch_request_weighs_its_own_ttft_less():
+    # Local is faster for this request, but its prefill stalls decode's streams; an interactive request pays that
+    # stall, a batch request (whose TTFT counts a quarter) goes remote.
+    busy = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=30_000)], decode=[ReplicaLoad("d0", decoding=2)])
+    assert policy().decide(request(20_000), busy).mode == "local"  # 21 + 40 ms against pull's 52 + 20
+    assert policy().decide(request(20_000, qos_class="batch"), busy).mode == "pull"  # 5 + 40 ms against 13 + 20
+
+
+def test_the_prefill_rate_is_learned_per_load_level():
+    learner = policy()
+    for _ in range(30):  # under load, the prefill engine runs at a third of its idle speed
+        learner.model.observe(Observation("pull", prompt_tokens=1000, decoding=6, prefill_s=0.003))
+    assert learner.model.rate("prefill", load_level(6)) == pytest.approx(3e-6)
+    assert learner.model.rate("prefill", load_level(0)) == pytest.approx(1e-6)  # idle: the prior still
+    assert learner.model.rate("prefill", load_level(40)) == pytest.approx(3e-6)  # above: the nearest seen below
+    busy = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=0)], decode=[ReplicaLoad("d0", decoding=6)])
+    assert learner.costs(request(1000), busy)["pull"].ttft_s == pytest.approx(0.002 + 0.003)
+
+
+def test_hops_and_hand_off_are_learned_from_timelines():
+    learner = policy()
+    for _ in range(60):
+        learner.model.observe(Observation("push", prompt_tokens=1000, decoding=0, prefill_s=0.001, queue_s=0.002,
+                                          ttft_s=0.023, handoff_s=0.010 + 1000 * 4096 / 1e9))
+    assert learner.model.hop_s["push"] == pytest.approx(0.020, rel=1e-3)
+    assert learner.model.handoff_s_per_byte == pytest.approx(1e-9, rel=1e-3)
+    assert learner.model.hop_s["pull"] == PRIORS.hop_s["pull"]
+
+
+def test_auto_explores_an_option_not_seen_at_this_load_and_then_stops():
+    explorer = policy(priors=CostPriors(**{**PRIORS.__dict__, "explore_every": 3, "min_samples": 1}))
+    snapshot = cluster()
+    decisions = [explorer.decide(request(100), snapshot) for _ in range(3)]
+    assert [d.reason for d in decisions] == [LOWEST_COST, LOWEST_COST, EXPLORE]
+    explored = decisions[-1].mode
+    assert explored != "local"  # the cheapest is not the one worth exploring
+    for mode in ("push", "pull", "local"):
+        explorer.model.observe(Observation(mode, prompt_tokens=100, decoding=0, prefill_s=1e-4))
+    assert all(explorer.decide(request(100), snapshot).reason == LOWEST_COST for _ in range(9))
+
+
+def test_decisions_are_deterministic():
+    def run() -> list:
+        p = policy(priors=CostPriors(**{**PRIORS.__dict__, "explore_every": 4}))
+        snapshots = [cluster(decode=[ReplicaLoad("d0", decoding=n % 7), ReplicaLoad("d1", decoding=n % 3)])
+                     for n in range(40)]
+        return [p.decide(request(64 * (n + 1)), s) for n, s in enumerate(snapshots)]
+
+    assert run() == run()
