@@ -18,7 +18,7 @@ from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
 from app.config import EngineConfig
 from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult, ReplicaUnavailable
-from app.engine_stats import EngineStatsRecorder
+from app.engine_stats import EngineStatsRecorder, RequestLoad
 from app.tiny_model import resolve_model_source
 from kv.config import TransferConfig
 from kv.engine_identity import claim_identity
@@ -50,6 +50,7 @@ class EngineServer:
         self.identity = claim_identity(self.role, host, port_in_env=transfer.connector.module_path is None)
         self.model_id = engine.model_loading_config.model_id
         self.stats = EngineStatsRecorder()
+        self.requests = RequestLoad()
         args = AsyncEngineArgs(
             model=resolve_model_source(engine.model_loading_config.model_source),
             served_model_name=[self.model_id],
@@ -70,11 +71,12 @@ class EngineServer:
                 "pp_size": parallel.pipeline_parallel_size}
 
     def load(self) -> dict:
-        return self.stats.load()
+        """The engine's load, stamped with when it was read (the ingress adds what it sent since, app/routing.py)."""
+        return {**self.stats.load(), **self.requests.load(), "at": time.time()}
 
     def record_routing_stats(self) -> dict:
-        """What Serve's request router ranks this replica by (app/routing.py)."""
-        return self.stats.load()
+        """What Serve's request router ranks this replica by, and the ingress's mode policy reads (app/routing.py)."""
+        return self.load()
 
     def transfer_totals(self) -> dict:
         return self.stats.totals()
@@ -100,15 +102,21 @@ class EngineServer:
     async def _run(self, request: EngineRequest) -> AsyncIterator:
         params = request.sampling_params.clone()
         params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": request.kv_transfer_params}
+        # A decode leg with transfer params gets its prompt's KV from prefill: it computes (next to) nothing itself.
+        remote_kv = self.role == "decode" and request.kv_transfer_params is not None
+        self.requests.started(request.request_id, 0 if remote_kv else len(request.prompt_token_ids))
         try:
             async for output in self.engine.generate(
                 {"prompt_token_ids": request.prompt_token_ids}, params, request.request_id
             ):
+                self.requests.produced(request.request_id)
                 yield output
         except EngineDeadError as e:
             # Said in the ingress's terms: this replica can serve nothing until Serve replaces it (its health check
             # fails from now on), so the ingress passes it over and tries another.
             raise ReplicaUnavailable(self.role, self.replica, str(e)) from None
+        finally:
+            self.requests.ended(request.request_id)
 
 
 def engine_events(output) -> dict[str, float]:

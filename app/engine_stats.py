@@ -27,6 +27,30 @@ def _connector_counts(kv_connector_stats: dict[str, Any]) -> Counter:
     return counts
 
 
+class RequestLoad:
+    """The requests one replica's engine runs, as its server sees them: prompt tokens the engine has yet to compute
+    (a request's, until its first output) and streams past their first token. vLLM's scheduler stats count
+    requests, not the tokens a new prompt would queue behind, nor which of them are decoding."""
+
+    def __init__(self):
+        self._prefilling: dict[str, int] = {}
+        self._decoding: set[str] = set()
+
+    def started(self, request_id: str, tokens_to_compute: int) -> None:
+        self._prefilling[request_id] = tokens_to_compute
+
+    def produced(self, request_id: str) -> None:
+        if self._prefilling.pop(request_id, None) is not None:
+            self._decoding.add(request_id)
+
+    def ended(self, request_id: str) -> None:
+        self._prefilling.pop(request_id, None)
+        self._decoding.discard(request_id)
+
+    def load(self) -> dict[str, int]:
+        return {"queued_prefill_tokens": sum(self._prefilling.values()), "decoding": len(self._decoding)}
+
+
 class EngineStatsRecorder(StatLoggerBase):
     def __init__(self, vllm_config: VllmConfig | None = None, engine_index: int = 0):
         self.running = 0

@@ -1,10 +1,14 @@
-"""Which engine replicas of each leg can take a request right now, as this ingress process sees them.
+"""Which engine replicas of each leg can take a request right now, and how loaded they are, as this ingress process
+sees them.
 
 The source is the request router of each engine deployment in this process (app/routing.py). Serve keeps it up to
 date with the replicas its controller lists as running, and it drops a replica the moment any call to it finds its
 actor dead, long before Serve's health check would. The ingress adds the replicas whose engine died inside a live
 actor (they answer every leg with `ReplicaUnavailable`). So a leg with no usable replica is refused with a 503 at
 once, instead of waiting in Serve's router until a replacement engine is up, which takes a minute or more.
+
+The same routers hold each replica's last load report plus the legs this process sent it since: `snapshot()` is
+what the mode policy decides on (app/mode_policy.py), the very loads the routers rank replicas by.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping
 
 from ray.serve.handle import DeploymentHandle
+
+from app.mode_policy import ClusterSnapshot, ReplicaLoad
 
 if TYPE_CHECKING:
     from app.routing import EngineLoadRouter
@@ -45,3 +51,27 @@ class ReplicaView:
 
     def replicas(self) -> dict[str, int | None]:
         return {role: self.usable(role) for role in self._deployments}
+
+    def sent(self, role: str, replica: str, tokens_to_compute: int) -> None:
+        """A leg went to `replica`: it counts in that replica's load until the replica's own report does."""
+        if (router := self._router(role)) is not None:
+            router.sent(replica, tokens_to_compute)
+
+    def snapshot(self) -> ClusterSnapshot:
+        """Every replica's load. A leg whose router has not heard from Serve yet shows one healthy replica of
+        unknown load, so that requests go ahead and wait in Serve's router as they would without a policy."""
+        return ClusterSnapshot(*(self._loads(role) for role in ("prefill", "decode")))
+
+    def _loads(self, role: str) -> tuple[ReplicaLoad, ...]:
+        router = self._router(role)
+        if router is None:
+            return (ReplicaLoad(f"{role}-unknown"),)
+        loads = []
+        for replica in router.curr_replicas.values():
+            uid, stats = replica.replica_id.unique_id, router.load(replica)
+            loads.append(ReplicaLoad(uid, healthy=uid not in router.failed, running=stats.get("running", 0),
+                                     waiting=stats.get("waiting", 0),
+                                     queued_prefill_tokens=stats.get("queued_prefill_tokens", 0),
+                                     kv_cache_usage=stats.get("kv_cache_usage", 0.0),
+                                     decoding=stats.get("decoding", 0)))
+        return tuple(loads)

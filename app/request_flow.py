@@ -14,7 +14,7 @@ from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, Prefill
 from app.first_token import after_seed, can_seed, prefill_sampling
 from app.replica_view import ReplicaView
 from app.timeline import RequestTimeline
-from kv.config import TransferConfig, TransferMode
+from kv.config import AUTO, TransferConfig, TransferMode
 from kv.transfer_params import new_transfer_id, prefill_params, pull_decode_params, push_decode_params
 
 # A request whose leg failed before anything reached the client is started again, on the replicas left, this many
@@ -49,14 +49,16 @@ class Leg:
     first message is `LegAccepted`). Replica failures come out of it as LegUnavailable."""
 
     def __init__(self, role: str, stream: DeploymentResponseGenerator, wait_s: float,
-                 on_dead_engine: Callable[[str, str], None]):
+                 on_accepted: Callable[[str], None], on_dead_engine: Callable[[str, str], None]):
         self.role, self.stream, self._on_dead_engine = role, stream, on_dead_engine
-        self.accepted: asyncio.Future[LegAccepted] = asyncio.ensure_future(self._accept(wait_s))
+        self.accepted: asyncio.Future[LegAccepted] = asyncio.ensure_future(self._accept(wait_s, on_accepted))
 
-    async def _accept(self, wait_s: float) -> LegAccepted:
+    async def _accept(self, wait_s: float, on_accepted: Callable[[str], None]) -> LegAccepted:
         try:
             async with asyncio.timeout(wait_s):
-                return await anext(self.stream)
+                accepted = await anext(self.stream)
+            on_accepted(accepted.replica)
+            return accepted
         except TimeoutError:
             # No replica took it: Serve's router holds it until one can (a replacement takes a minute or more).
             self.stream.cancel()
@@ -106,11 +108,13 @@ class RequestFlow:
         self.seed_first_token = transfer.seed_first_token
         self.recompute_on_failure = transfer.on_transfer_failure == "recompute"
 
-    def choose_mode(self, requested: str | None) -> TransferMode:
-        if requested is None:
-            return self.default_mode
+    def requested_mode(self, requested: str | None) -> TransferMode | None:
+        """The mode a client named, checked; None where it named none or `auto` (the policy decides)."""
+        if requested is None or requested == AUTO:
+            return None
         if requested not in self.modes:
-            raise UnsupportedMode(f"transfer mode {requested!r} is not served here; choose one of {list(self.modes)}")
+            raise UnsupportedMode(f"transfer mode {requested!r} is not served here; choose one of "
+                                  f"{[*self.modes, AUTO]}")
         return requested
 
     def stream(self, request: EngineRequest, mode: TransferMode, timeline: RequestTimeline
@@ -148,12 +152,17 @@ class RequestFlow:
 
     # -- legs ------------------------------------------------------------------------------------------------------
 
-    def _leg(self, role: str, stream: DeploymentResponseGenerator) -> Leg:
-        return Leg(role, stream, self.replica_wait_s, self.replicas.mark_failed)
+    def _leg(self, role: str, stream: DeploymentResponseGenerator, tokens_to_compute: int) -> Leg:
+        """`tokens_to_compute`: the prompt tokens the leg's engine computes, which count in its replica's load from
+        the moment it takes the leg (app/replica_view.py)."""
+        return Leg(role, stream, self.replica_wait_s,
+                   lambda replica: self.replicas.sent(role, replica, tokens_to_compute), self.replicas.mark_failed)
 
     def _dispatch_decode(self, request: EngineRequest, timeline: RequestTimeline) -> Leg:
         timeline.dispatched("decode")
-        return self._leg("decode", self.decode.generate.remote(request))
+        local = request.kv_transfer_params is None
+        return self._leg("decode", self.decode.generate.remote(request),
+                         len(request.prompt_token_ids) if local else 0)
 
     async def _decode(self, leg: Leg, timeline: RequestTimeline, drop_first: EngineChunk | None = None
                       ) -> AsyncIterator[EngineChunk]:
@@ -186,7 +195,7 @@ class RequestFlow:
                             prefill_sampling(request.sampling_params, seeded),
                             prefill_params(*transfer) if transfer else None)
         timeline.dispatched("prefill")
-        return self._leg("prefill", self.prefill.prefill.remote(leg))
+        return self._leg("prefill", self.prefill.prefill.remote(leg), len(request.prompt_token_ids))
 
     @staticmethod
     async def _prefill_result(leg: Leg, timeline: RequestTimeline) -> PrefillResult:

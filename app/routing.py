@@ -1,9 +1,11 @@
 """Which engine replica gets a leg: Ray Serve's request-router extension point, fed by the load engines report.
 
 Each engine replica reports its engine's load (`EngineServer.record_routing_stats`: requests running and waiting in
-the engine, share of KV cache in use) every `ROUTING_STATS_PERIOD_S`. The router ranks replicas by what Serve cannot
-see itself: requests waiting inside the engine first (no room in its batch or its KV cache), then KV cache in use, in
-tenths. Among replicas of equal rank, Serve picks the one with the fewest requests in flight, its own fresher count
+the engine, share of KV cache in use, prompt tokens queued, streams decoding) every `ROUTING_STATS_PERIOD_S`. The
+router adds the legs this process sent the replica since that report (`load`), so that a burst is not ranked on a
+picture from before it; the ingress's mode policy reads the same loads (app/replica_view.py). The router ranks
+replicas by what Serve cannot see itself: requests waiting inside the engine first (no room in its batch or its KV
+cache), then KV cache in use, in tenths. Among replicas of equal rank, Serve picks the one with the fewest requests in flight, its own fresher count
 of running work. A replica that has not reported yet (just started) ranks as idle.
 
 Every leg is routed when it is dispatched, so the modes bind as they should:
@@ -21,6 +23,7 @@ controller stops listing them.
 
 from __future__ import annotations
 
+import time
 from itertools import groupby
 from typing import Any
 
@@ -30,7 +33,9 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 # defined here would be a private copy there, never the one the ingress reads.
 from app import replica_view
 
-ROUTING_STATS_PERIOD_S = 0.5
+ROUTING_STATS_PERIOD_S = 0.2
+# A leg sent to a replica counts on top of its report until a report newer than the leg arrives, or this long after.
+SENT_LEG_MAX_AGE_S = 5 * ROUTING_STATS_PERIOD_S
 
 
 def load_rank(stats: dict[str, Any]) -> tuple[int, int]:
@@ -43,6 +48,7 @@ class EngineLoadRouter(FIFOMixin, RequestRouter):
         super().__init__(deployment_id, *args, **kwargs)
         self.populated = False  # whether Serve has told this router its replicas yet
         self.failed: frozenset[str] = frozenset()  # replicas (unique ids) seen dead, or whose engine died
+        self._sent: dict[str, list[tuple[float, int]]] = {}  # replica -> (when, prompt tokens to compute) per leg
         replica_view.ROUTERS[deployment_id.app_name, deployment_id.name] = self
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -60,13 +66,28 @@ class EngineLoadRouter(FIFOMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.mark_failed(replica_id.unique_id)
 
+    def sent(self, replica: str, tokens_to_compute: int) -> None:
+        """This process sent `replica` a leg whose engine will compute that many prompt tokens."""
+        self._sent.setdefault(replica, []).append((time.time(), tokens_to_compute))
+
+    def load(self, replica: RunningReplica) -> dict[str, Any]:
+        """The replica's last report, plus the legs sent to it since, as waiting requests and queued tokens."""
+        stats = dict(replica.routing_stats)
+        oldest = max(stats.get("at", 0.0), time.time() - SENT_LEG_MAX_AGE_S)
+        uid = replica.replica_id.unique_id
+        legs = self._sent[uid] = [leg for leg in self._sent.get(uid, ()) if leg[0] > oldest]
+        if legs:
+            stats["waiting"] = stats.get("waiting", 0) + len(legs)
+            stats["queued_prefill_tokens"] = stats.get("queued_prefill_tokens", 0) + sum(t for _, t in legs)
+        return stats
+
     def usable_replicas(self) -> set[str]:
         """The replicas a leg could be routed to now."""
         return {replica_id.unique_id for replica_id in self.curr_replicas} - self.failed
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        ranked = sorted((load_rank(replica.routing_stats), index, replica)
+        ranked = sorted((load_rank(self.load(replica)), index, replica)
                         for index, replica in enumerate(candidate_replicas)
                         if replica.replica_id.unique_id not in self.failed)
         return [[replica for _, _, replica in group] for _, group in groupby(ranked, key=lambda entry: entry[0])]

@@ -108,12 +108,17 @@ def test_a_dead_prefill_ends_a_push_request_at_once(seeded, policy):
 
 
 class Replicas:
-    """What the flow reads of a deployment's router: the replicas a leg could go to, and those marked failed."""
+    """What the flow reads of a deployment's router: the replicas a leg could go to, and those marked failed; and
+    what it tells it: the legs each replica took."""
 
     populated = True
 
     def __init__(self, *replicas: str):
         self.replicas, self.failed = set(replicas), set()
+        self.legs_sent: list[tuple[str, int]] = []
+
+    def sent(self, replica: str, tokens_to_compute: int) -> None:
+        self.legs_sent.append((replica, tokens_to_compute))
 
     def usable_replicas(self) -> set[str]:
         return self.replicas - self.failed
@@ -178,6 +183,8 @@ def test_a_replica_whose_engine_died_is_passed_over_and_the_request_served_by_an
     flow = RequestFlow(FakeHandle("prefill"), decode, TransferConfig(), replica_wait_s=1)
     assert asyncio.run(run_flow(flow, "local", LOCAL_REQUEST)) == LOCAL_ANSWER
     assert routers["decode"].failed == {"decode-a"} and len(decode.calls) == 2
+    # Each replica that took the leg counts its prompt in its load until it reports it (app/replica_view.py)
+    assert routers["decode"].legs_sent == [("decode-a", 3), ("decode-b", 3)]
 
 
 def test_without_another_replica_a_dead_engine_is_reported_as_unavailable(routers):
@@ -204,3 +211,6 @@ def test_a_pull_decode_leg_goes_to_another_replica_after_the_first_token_was_sen
     assert [c.token_ids for c in chunks] == [[7], [7], [8]]  # the seeded token, then decode-b's answer
     (first_try, _), (second_try, _) = decode.calls
     assert first_try.kv_transfer_params == second_try.kv_transfer_params  # the same KV, read afresh
+    # prefill computes the prompt; a decode leg that READs its KV computes none of it
+    assert routers["prefill"].legs_sent == [("prefill-a", 3)]
+    assert routers["decode"].legs_sent == [("decode-a", 0), ("decode-b", 0)]

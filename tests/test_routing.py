@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 from app.routing import EngineLoadRouter, load_rank
@@ -12,10 +13,15 @@ def replica(name: str, **stats) -> SimpleNamespace:
     return SimpleNamespace(name=name, routing_stats=stats, replica_id=SimpleNamespace(unique_id=name))
 
 
-def ranks(*replicas, failed: frozenset[str] = frozenset()) -> list[list[str]]:
-    router = object.__new__(EngineLoadRouter)  # ranking reads only the replicas marked failed
-    router.failed = failed
-    return [[r.name for r in rank] for rank in asyncio.run(router.choose_replicas(list(replicas)))]
+def router(failed: frozenset[str] = frozenset()) -> EngineLoadRouter:
+    router = object.__new__(EngineLoadRouter)  # ranking reads only the replicas marked failed and the legs sent
+    router.failed, router._sent = failed, {}
+    return router
+
+
+def ranks(*replicas, failed: frozenset[str] = frozenset(), by: EngineLoadRouter | None = None) -> list[list[str]]:
+    by = by or router(failed)
+    return [[r.name for r in rank] for rank in asyncio.run(by.choose_replicas(list(replicas)))]
 
 
 def test_waiting_requests_rank_first_then_kv_in_use():
@@ -38,3 +44,14 @@ def test_a_replica_that_has_not_reported_ranks_as_idle():
 def test_a_replica_whose_engine_died_is_passed_over():
     assert ranks(replica("dead"), replica("busy", waiting=3), failed=frozenset({"dead"})) == [["busy"]]
     assert ranks(replica("dead"), failed=frozenset({"dead"})) == []  # Serve's router waits; the ingress does not
+
+
+def test_legs_sent_since_a_report_count_until_a_newer_report():
+    """A burst is ranked on what this process just sent, not only on reports from before it."""
+    sender, reported = router(), time.time() - 0.1
+    sender.sent("a", 500)
+    a, b = replica("a", waiting=0, at=reported), replica("b", waiting=0, at=reported)
+    assert sender.load(a) == {"waiting": 1, "queued_prefill_tokens": 500, "at": reported}
+    assert ranks(a, b, by=sender) == [["b"], ["a"]]
+    newer = replica("a", waiting=1, queued_prefill_tokens=500, at=time.time() + 0.01)  # the engine counts it now
+    assert sender.load(newer)["waiting"] == 1 and sender.load(newer)["queued_prefill_tokens"] == 500
