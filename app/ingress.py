@@ -22,7 +22,9 @@ from transformers import AutoTokenizer
 
 from app.config import PDAppConfig
 from app.engine_protocol import EngineChunk, EngineRequest
+from app.first_token import can_seed
 from app.ingress_metrics import IngressMetrics
+from app.mode_policy import Decision, ModePolicy, Observation, PolicyConfig, RequestFeatures
 from app.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -35,10 +37,11 @@ from app.openai_protocol import (
 from app.request_flow import LegUnavailable, RequestFlow, UnsupportedMode
 from app.timeline import RequestTimeline
 from app.tiny_model import resolve_model_source
-from kv.config import TransferMode
+from kv.config import AUTO, TransferMode
 
 logger = logging.getLogger("ray.serve")
 MODE_HEADER = "x-kv-transfer-mode"
+REASON_HEADER = "x-kv-transfer-reason"  # why the request took its mode (app/mode_policy.py)
 # A client that sends `x-pd-timings: 1` gets the request's timeline (app/timeline.py) in the response.
 TIMINGS_HEADER = "x-pd-timings"
 # A replacement engine replica takes a minute or more to start; clients that honour Retry-After come back then.
@@ -89,6 +92,7 @@ class OpenAIIngress:
         self.max_request_bytes = config.ingress.max_request_bytes
         self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer, config.ingress.replica_wait_s)
+        self.policy = ModePolicy(PolicyConfig(policy=config.transfer.default_mode, modes=config.transfer.modes))
         self.engines = {"prefill": prefill, "decode": decode}
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.
         self.tokenizer = AutoTokenizer.from_pretrained(
@@ -152,7 +156,7 @@ class OpenAIIngress:
             body = await _parse(request, model, self.max_request_bytes)
             report_timings = request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true")
             admitted = await self._admit(body, request.headers.get(MODE_HEADER), report_timings, timeline)
-        headers = {MODE_HEADER: admitted.mode}
+        headers = {MODE_HEADER: admitted.mode, REASON_HEADER: admitted.decision.reason}
         if body.stream:
             return StreamingResponse(self._sse(admitted), media_type="text/event-stream", headers=headers)
         return JSONResponse(await self._whole(admitted), headers=headers)
@@ -243,16 +247,39 @@ class OpenAIIngress:
             )
         return requested or room
 
-    def _mode(self, requested: str | None) -> TransferMode:
-        """The request's transfer mode, if every leg it needs has a replica that can take it (else a 503 at once:
-        queued in Serve's router, it would wait for a replacement replica, which takes a minute to start)."""
+    def _requested(self, requested: str | None) -> TransferMode | None:
+        """The client's mode (None: the policy's), if the legs it needs for sure have a replica that can take it
+        (else a 503 at once, before anything that needs an engine: queued in Serve's router, the request would wait
+        for a replacement replica, which takes a minute to start)."""
         try:
-            mode = self.flow.choose_mode(requested)
+            mode = self.flow.requested_mode(requested)
         except UnsupportedMode as e:
             raise APIError(400, str(e), param=MODE_HEADER) from e
-        if down := self.flow.replicas.down(("decode",) if mode == "local" else ("prefill", "decode")):
+        named = mode or (None if self.flow.default_mode == AUTO else self.flow.default_mode)
+        if down := self.flow.replicas.down(("decode",) if named in (None, "local") else ("prefill", "decode")):
             raise _unavailable(f"no {' or '.join(down)} replica can take requests (Serve is replacing it)")
         return mode
+
+    def _decide(self, requested: TransferMode | None, prompt_ids: list[int], params) -> Decision:
+        """The mode policy's decision on this request, from the load the routers see now."""
+        features = RequestFeatures(len(prompt_ids), params.max_tokens, requested,
+                                   seeded=self.flow.seed_first_token and can_seed(params, "pull"))
+        decision = self.policy.decide(features, self.flow.replicas.snapshot())
+        if decision.mode is None:
+            raise _unavailable(f"no replica can take this request's legs ({decision.reason})")
+        return decision
+
+    def _learn(self, admitted: Admitted) -> None:
+        """A served request's timeline teaches the policy its costs (app/mode_policy.py, CostModel.observe)."""
+        phases, mode = admitted.output.timeline.phases(), admitted.mode
+        local = mode == "local"
+        prefill_s = phases.get("decode_first_step" if local else "prefill_compute")
+        if prefill_s is None:
+            return
+        self.policy.model.observe(Observation(
+            mode, admitted.output.num_prompt_tokens, admitted.decision.decoding, prefill_s, phases.get("ttft"),
+            phases.get("kv_wait" if local else "prefill_queue", 0.0),
+            phases.get("kv_wait") if mode == "pull" else None))
 
     async def _prompt_ids(self, body: SamplingFields) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
@@ -268,17 +295,20 @@ class OpenAIIngress:
                      timeline: RequestTimeline) -> Admitted:
         """Checks the request (model, mode, prompt, length) and starts it."""
         self._check_model(body.model)
-        mode = self._mode(requested_mode)
+        requested = self._requested(requested_mode)
         prompt_ids = await self._prompt_ids(body)
         max_tokens = await self._checked_max_tokens(body, len(prompt_ids))
         chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens))
+        decision = self._decide(requested, prompt_ids, engine_request.sampling_params)
+        timeline.decided(decision.mode, decision.reason, decision.costs)
         return Admitted(
-            chunks=self.flow.stream(engine_request, mode, timeline),
+            chunks=self.flow.stream(engine_request, decision.mode, timeline),
             writer=ResponseWriter(request_id, self.model_id, chat, body.return_token_ids),
             output=RequestOutput(len(prompt_ids), timeline, report_timings),
-            mode=mode,
+            mode=decision.mode,
+            decision=decision,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
 
@@ -305,7 +335,10 @@ class OpenAIIngress:
             raise APIError(500, f"request failed: {e!r}", "server_error") from e
         finally:
             await admitted.chunks.aclose()
-            self.metrics.finished(admitted.mode, outcome, admitted.output.timeline, len(admitted.output.token_ids))
+            self.metrics.finished(admitted.mode, admitted.decision.reason, outcome, admitted.output.timeline,
+                                  len(admitted.output.token_ids))
+            if outcome == "ok":
+                self._learn(admitted)
 
     async def _whole(self, admitted: Admitted) -> dict:
         async for _ in self._run(admitted):
@@ -355,6 +388,7 @@ class Admitted:
     writer: ResponseWriter
     output: RequestOutput
     mode: TransferMode
+    decision: Decision
     include_usage: bool
 
 

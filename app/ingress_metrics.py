@@ -43,23 +43,24 @@ class IngressMetrics:
             "pd_request_latency_seconds", description="From a request's arrival to its end, whatever the outcome.",
             boundaries=SECONDS, tag_keys=by_mode)
         self.requests = metrics.Counter(
-            "pd_requests", description="Requests by mode and outcome (refused ones under mode `none`).",
-            tag_keys=("mode", "outcome"))
+            "pd_requests", description="Requests by mode, outcome and the reason for their mode (app/mode_policy.py; "
+            "refused ones under mode and reason `none`).", tag_keys=("mode", "outcome", "reason"))
         self.in_flight_gauge = metrics.Gauge(
             "pd_requests_in_flight", description="Requests started and not yet ended, by mode.", tag_keys=by_mode)
         self._in_flight: Counter[str] = Counter()
 
     def refused(self, status: int) -> None:
-        self.requests.inc(tags={"mode": NOT_STARTED, "outcome": refusal_outcome(status)})
+        self.requests.inc(tags={"mode": NOT_STARTED, "outcome": refusal_outcome(status), "reason": NOT_STARTED})
 
     def started(self, mode: str) -> None:
         self._in_flight[mode] += 1
         self.in_flight_gauge.set(self._in_flight[mode], tags={"mode": mode})
 
-    def finished(self, mode: str, outcome: str, timeline: RequestTimeline, num_output_tokens: int) -> None:
+    def finished(self, mode: str, reason: str, outcome: str, timeline: RequestTimeline, num_output_tokens: int
+                 ) -> None:
         self._in_flight[mode] -= 1
         self.in_flight_gauge.set(self._in_flight[mode], tags={"mode": mode})
-        self.requests.inc(tags={"mode": mode, "outcome": outcome})
+        self.requests.inc(tags={"mode": mode, "outcome": outcome, "reason": reason})
         events, now = timeline.events, time.time()
         self.latency_seconds.observe(now - events["arrival"], tags={"mode": mode})
         if outcome != "ok":

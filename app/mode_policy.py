@@ -33,7 +33,7 @@ REQUESTED = "requested"  # the client named the mode
 CONFIGURED = "configured"  # the policy is a fixed mode
 LOWEST_COST = "lowest_cost"  # auto: the option predicted cheapest
 EXPLORE = "explore"  # auto: an option not yet measured at this load, tried so that its cost is learned
-PREFILL_UNAVAILABLE = "prefill_unavailable"  # no prefill replica can take it: decode prefills it itself
+PREFILL_UNAVAILABLE = "prefill_unavailable"  # no prefill replica can take it: local (auto), or refused (503)
 DECODE_UNAVAILABLE = "decode_unavailable"  # no decode replica can take it: refused (503)
 PUSH_UNSUPPORTED = "push_unsupported"  # the request needs something push cannot carry: pull instead
 REASONS = (REQUESTED, CONFIGURED, LOWEST_COST, EXPLORE, PREFILL_UNAVAILABLE, DECODE_UNAVAILABLE, PUSH_UNSUPPORTED)
@@ -86,6 +86,7 @@ class Decision:
     reason: str
     decode_replica: str | None = None  # push and local bind decode now; pull binds it after prefill
     costs: Mapping[Mode, OptionCost] = field(default_factory=dict)
+    decoding: int = 0  # the streams the chosen mode's prefill runs beside: its observation's load (Observation)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,6 @@ class CostModel:
 class PolicyConfig:
     policy: Literal["auto", "push", "pull", "local"] = "auto"
     modes: tuple[Mode, ...] = MODES  # the modes the engines serve (local always)
-    local_when_prefill_down: bool = True
     priors: CostPriors = CostPriors()
 
 
@@ -187,7 +187,8 @@ class ModePolicy:
             return Decision(None, DECODE_UNAVAILABLE)
         fixed = request.requested_mode or (None if self.config.policy == "auto" else self.config.policy)
         if fixed != "local" and best.prefill is None:
-            if not self.config.local_when_prefill_down:
+            # A mode the client or the configuration named is obeyed, or refused; auto serves it without prefill.
+            if fixed is not None:
                 return Decision(None, PREFILL_UNAVAILABLE)
             return self._decided("local", PREFILL_UNAVAILABLE, request, best)
         if fixed == "push" and not request.push_capable:
@@ -209,16 +210,16 @@ class ModePolicy:
         if self._since_explore >= self.config.priors.explore_every:
             # The cheapest option is measured by being taken; another one taken too rarely at this load is taken
             # now (the least seen, then the cheapest of those).
-            samples = {mode: self.model.samples.get((mode, best.level(mode)), 0) for mode in options}
+            samples = {mode: self.model.samples.get((mode, load_level(best.streams(mode))), 0) for mode in options}
             unseen = [m for m in options if m != cheapest and samples[m] < self.config.priors.min_samples]
             if unseen:
                 self._since_explore = 0
                 mode = min(unseen, key=lambda m: (samples[m], costs[m].score))
-                return Decision(mode, EXPLORE, best.bound(mode), costs)
-        return Decision(cheapest, LOWEST_COST, best.bound(cheapest), costs)
+                return Decision(mode, EXPLORE, best.bound(mode), costs, best.streams(mode))
+        return Decision(cheapest, LOWEST_COST, best.bound(cheapest), costs, best.streams(cheapest))
 
     def _decided(self, mode: Mode, reason: str, request: RequestFeatures, best: _BestReplicas) -> Decision:
-        return Decision(mode, reason, best.bound(mode), self._costs(request, best))
+        return Decision(mode, reason, best.bound(mode), self._costs(request, best), best.streams(mode))
 
     def _costs(self, request: RequestFeatures, best: _BestReplicas) -> dict[Mode, OptionCost]:
         priors, model, decode = self.config.priors, self.model, best.decode
@@ -227,14 +228,14 @@ class ModePolicy:
         costs: dict[Mode, OptionCost] = {}
         for mode in self.config.modes:
             if mode == "local":
-                rate = model.rate("decode", best.level(mode))
+                rate = model.rate("decode", load_level(best.streams(mode)))
                 prefill_s = tokens * rate
                 ttft = model.hop_s["local"] + decode.queued_prefill_tokens * rate + prefill_s
                 stall = decode.decoding * prefill_s
             elif best.prefill is None:
                 continue
             else:
-                rate = model.rate("prefill", best.level(mode))
+                rate = model.rate("prefill", load_level(best.streams(mode)))
                 handoff = model.handoff_s(tokens)
                 ttft = model.hop_s[mode] + (best.prefill.queued_prefill_tokens + tokens) * rate
                 stall = decode.decoding * priors.admit_step_s
@@ -257,11 +258,11 @@ class _BestReplicas:
     decode: ReplicaLoad | None  # the healthy decode replica a new stream disturbs least
     decoding: int  # streams decoding on all healthy decode replicas
 
-    def level(self, mode: Mode) -> int:
-        """The load level at which `mode`'s prefill runs (and its observation is filed, CostModel.observe): the
-        decode replica's own streams for local; the cluster's for a prefill engine, which shares cores with them
-        where engines share a node."""
-        return load_level(self.decode.decoding if mode == "local" else self.decoding)
+    def streams(self, mode: Mode) -> int:
+        """The streams decoding beside `mode`'s prefill, which set its load level (and its observation's,
+        CostModel.observe): the decode replica's own for local; the cluster's for a prefill engine, which shares
+        cores with them where engines share a node."""
+        return self.decode.decoding if mode == "local" else self.decoding
 
     def bound(self, mode: Mode) -> str | None:
         """The decode replica a `mode` request is bound to now: push and local bind it; pull binds it after

@@ -96,6 +96,8 @@ def from_pd_serving_args(args: dict[str, Any]) -> PDAppConfig:
     return PDAppConfig.model_validate({
         "prefill": prefill,
         "decode": decode,
-        "transfer": {**transfer, **args.get("transfer", {})},
+        # Every request pulled, as build_pd_openai_app serves them; `transfer: {default_mode: auto}` hands the choice
+        # to the mode policy.
+        "transfer": {"default_mode": "pull", **transfer, **args.get("transfer", {})},
         "ingress": {"deployment_config": args.get("ingress_deployment_config") or {}},
     })

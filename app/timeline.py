@@ -30,6 +30,7 @@ PHASES: dict[str, tuple[str, str]] = {
 class RequestTimeline:
     events: dict[str, float] = field(default_factory=lambda: {"arrival": time.time()})
     replicas: dict[str, str] = field(default_factory=dict)  # role -> the engine replica that served that leg
+    decision: dict = field(default_factory=dict)  # the mode policy's choice, its reason and its predicted costs
 
     def mark(self, event: str) -> None:
         """Stamp `event` now, unless it happened already (only its first occurrence counts)."""
@@ -45,6 +46,12 @@ class RequestTimeline:
         self.mark(f"{role}_taken")
         self.replicas[role] = replica
 
+    def decided(self, mode: str, reason: str, costs: dict) -> None:
+        """`costs`: mode -> OptionCost (app/mode_policy.py), reported in milliseconds."""
+        self.decision = {"mode": mode, "reason": reason, "predicted_ms": {
+            option: {"ttft": round(cost.ttft_s * 1e3, 3), "stall": round(cost.stall_s * 1e3, 3)}
+            for option, cost in costs.items()}}
+
     def dispatched(self, role: str) -> None:
         self.mark(f"{role}_dispatched")
         self.mark("first_dispatch")
@@ -55,10 +62,10 @@ class RequestTimeline:
                 if start in self.events and end in self.events}
 
     def report(self) -> dict[str, dict]:
-        """Milliseconds: each event since arrival, in the order they happened, and each phase's duration; and the
-        replica that served each leg."""
+        """Milliseconds: each event since arrival, in the order they happened, and each phase's duration; the
+        replica that served each leg, and the mode's decision."""
         arrival = self.events["arrival"]
         ordered = sorted(self.events.items(), key=lambda item: item[1])
         return {"events_ms": {event: round((at - arrival) * 1e3, 3) for event, at in ordered},
                 "phases_ms": {name: round(seconds * 1e3, 3) for name, seconds in self.phases().items()},
-                "replicas": dict(self.replicas)}
+                "replicas": dict(self.replicas), "decision": self.decision}

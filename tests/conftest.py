@@ -148,22 +148,25 @@ def readme_example(name: str, language: str = "python") -> str:
 
 
 def app_config(**transfer) -> dict:
-    """The CPU default config with the tests' short lifetimes, and any other transfer settings given."""
+    """The CPU default config with the tests' short lifetimes, and any other transfer settings given. A request
+    without a mode is pull here, as the suite's requests were written; the mode policy (`default_mode: auto`, the
+    preset's) has tests of its own (test_mode_choice.py)."""
     config = yaml.safe_load(CPU_CONFIG.read_text())
-    config["transfer"].update(lease_s=LEASE_S, push_timeout_s=PUSH_TIMEOUT_S, **transfer)
+    config["transfer"].update({"lease_s": LEASE_S, "push_timeout_s": PUSH_TIMEOUT_S, "default_mode": "pull", **transfer})
     return config
 
 
 def deploy_ingress(app: RunningApp, name: str, ingress: dict | None = None, decode: Any = None,
-                   env_vars: dict[str, str] | None = None) -> str:
+                   env_vars: dict[str, str] | None = None, transfer: dict | None = None) -> str:
     """Another ingress, as its own Serve application at /<name>, in front of the session's engines (or of `decode`,
-    a bound stand-in deployment); `ingress` holds its config section. Returns its URL; `serve.delete(name)` ends it."""
+    a bound stand-in deployment); `ingress` holds its config section, `transfer` any transfer settings. Returns its
+    URL; `serve.delete(name)` ends it."""
     from ray import serve
 
     from app.config import PDAppConfig
     from app.ingress import OpenAIIngress
 
-    config = app_config()
+    config = app_config(**(transfer or {}))
     config["ingress"] = ingress or {}
     actor_options = {"num_cpus": 0, "runtime_env": {"env_vars": env_vars or {}}}
     bound = OpenAIIngress.options(name=f"Ingress-{name}", ray_actor_options=actor_options).bind(

@@ -107,15 +107,14 @@ def test_auto_only_considers_the_modes_served():
     assert decision.mode == "pull" and "push" not in decision.costs
 
 
-def test_prefill_down_is_served_local_with_its_reason():
-    down = cluster(prefill=[ReplicaLoad("p0", healthy=False)])
-    for requested in (None, "pull", "push"):
-        decision = policy().decide(request(20_000, requested_mode=requested), down)
-        assert (decision.mode, decision.reason) == ("local", PREFILL_UNAVAILABLE)
-        assert set(decision.costs) == {"local"}  # nothing to predict for a leg that cannot run
+def test_prefill_down_is_served_local_under_auto_and_refused_for_a_named_mode():
+    down = cluster(prefill=[ReplicaLoad("p0", healthy=False)], decode=[ReplicaLoad("d0", decoding=3)])
+    decision = policy().decide(request(20_000), down)
+    assert (decision.mode, decision.reason) == ("local", PREFILL_UNAVAILABLE)
+    assert set(decision.costs) == {"local"} and decision.decoding == 3  # nothing to predict for a leg that is down
+    for named in (policy().decide(request(requested_mode="pull"), down), policy(policy="push").decide(request(), down)):
+        assert (named.mode, named.reason) == (None, PREFILL_UNAVAILABLE)
     assert policy().decide(request(requested_mode="local"), down).reason == REQUESTED
-    refused = policy(local_when_prefill_down=False).decide(request(), down)
-    assert (refused.mode, refused.reason) == (None, PREFILL_UNAVAILABLE)
 
 
 def test_decode_down_is_refused():
