@@ -185,7 +185,8 @@ def test_each_engine_has_its_own_transfer_identity(app):
     assert prefill["engine_id"] != decode["engine_id"]
     assert (prefill["side_channel_host"], prefill["side_channel_port"]) != (
         decode["side_channel_host"], decode["side_channel_port"])
-    assert app.engine_call("decode", "load").keys() == {"running", "waiting", "kv_cache_usage"}
+    assert app.engine_call("decode", "load").keys() == {"running", "waiting", "kv_cache_usage", "queued_prefill_tokens",
+                                                         "decoding", "at"}
 
 
 BAD_REQUESTS = {

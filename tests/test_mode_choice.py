@@ -79,9 +79,11 @@ def test_auto_named_as_a_mode_leaves_it_to_the_policy_and_a_bad_mode_is_refused(
     assert refused.status_code == 400 and "teleport" in refused.json()["error"]["message"]
 
 
-def test_the_decision_sees_streams_decoding_on_the_decode_engine(url):
+def test_the_decision_sees_streams_decoding_on_the_decode_engine(app, url):
     """The load the policy decides on comes from the engines' own reports: with a long stream decoding, a local
     prefill is predicted to stall it; with none, not."""
+    app.wait_until_idle(timeout_s=30)
+    time.sleep(1.0)  # a few load reports (every 0.2 s) since the engines went idle
     idle = complete(url, CASES[1]).json()["pd_timings"]["decision"]["predicted_ms"]
     assert idle["local"]["stall"] == 0
     body = {"model": MODEL, "prompt": CASES[0].prompt, "max_tokens": 1500, "ignore_eos": True, "stream": True}
