@@ -10,7 +10,7 @@ import os
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import AsyncGenerator, AsyncIterator
+from typing import AsyncGenerator, AsyncIterator, Literal
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -247,20 +247,20 @@ class OpenAIIngress:
             )
         return requested or room
 
-    def _requested(self, requested: str | None) -> TransferMode | None:
-        """The client's mode (None: the policy's), if the legs it needs for sure have a replica that can take it
+    def _requested(self, requested: str | None) -> TransferMode | Literal["auto"] | None:
+        """The client's mode (None: the configured one), if the legs it needs for sure have a replica that can take it
         (else a 503 at once, before anything that needs an engine: queued in Serve's router, the request would wait
         for a replacement replica, which takes a minute to start)."""
         try:
             mode = self.flow.requested_mode(requested)
         except UnsupportedMode as e:
             raise APIError(400, str(e), param=MODE_HEADER) from e
-        named = mode or (None if self.flow.default_mode == AUTO else self.flow.default_mode)
-        if down := self.flow.replicas.down(("decode",) if named in (None, "local") else ("prefill", "decode")):
+        named = self.flow.default_mode if mode is None else mode
+        if down := self.flow.replicas.down(("decode",) if named in (AUTO, "local") else ("prefill", "decode")):
             raise _unavailable(f"no {' or '.join(down)} replica can take requests (Serve is replacing it)")
         return mode
 
-    def _decide(self, requested: TransferMode | None, prompt_ids: list[int], params) -> Decision:
+    def _decide(self, requested: TransferMode | Literal["auto"] | None, prompt_ids: list[int], params) -> Decision:
         """The mode policy's decision on this request, from the load the routers see now."""
         features = RequestFeatures(len(prompt_ids), params.max_tokens, requested,
                                    seeded=self.flow.seed_first_token and can_seed(params, "pull"))

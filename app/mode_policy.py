@@ -9,7 +9,8 @@ The cost of each option is two numbers, in seconds:
   token is not seeded by prefill (it then waits for the KV on decode);
 - stall: what the option makes streams wait. A local prefill on a decode engine holds each of its R running streams
   for the prefill's length (chunked prefill shares the steps); a hand-off holds them for one admission step. A seeded
-  remote request's own second token waits for its hand-off, counted here too.
+  remote request's own second token waits for its hand-off, counted here too (a seeded request of one token is
+  answered by prefill alone: no stall).
 The option with the lowest `ttft_weight(class) * ttft + stall_weight * stall` wins.
 
 The coefficients start from configuration and are learned from what requests report (`CostModel.observe`): seconds
@@ -50,7 +51,7 @@ def load_level(streams: int) -> int:
 class RequestFeatures:
     prompt_tokens: int  # counted after tokenizing
     max_tokens: int
-    requested_mode: Mode | None = None  # the client's explicit choice, which wins where it can be served
+    requested_mode: Mode | Literal["auto"] | None = None  # the client's choice; None: the configured policy's
     qos_class: str = "interactive"
     seeded: bool = True  # whether a disaggregated answer's first token comes from prefill (app/first_token.py)
     push_capable: bool = True  # False for a request that needs something push cannot carry
@@ -180,12 +181,14 @@ class ModePolicy:
         self._since_explore = 0
 
     def decide(self, request: RequestFeatures, cluster: ClusterSnapshot) -> Decision:
-        if request.requested_mode is not None and request.requested_mode not in self.config.modes:
-            raise ValueError(f"mode {request.requested_mode!r} is not served: {list(self.config.modes)}")
+        requested = request.requested_mode
+        if requested not in (None, "auto", *self.config.modes):
+            raise ValueError(f"mode {requested!r} is not served: {list(self.config.modes)}")
         best = _best_replicas(cluster)
         if best.decode is None:
             return Decision(None, DECODE_UNAVAILABLE)
-        fixed = request.requested_mode or (None if self.config.policy == "auto" else self.config.policy)
+        named = self.config.policy if requested is None else requested
+        fixed = None if named == "auto" else named
         if fixed != "local" and best.prefill is None:
             # A mode the client or the configuration named is obeyed, or refused; auto serves it without prefill.
             if fixed is not None:
@@ -194,7 +197,7 @@ class ModePolicy:
         if fixed == "push" and not request.push_capable:
             return self._decided("pull", PUSH_UNSUPPORTED, request, best)
         if fixed is not None:
-            return self._decided(fixed, REQUESTED if request.requested_mode else CONFIGURED, request, best)
+            return self._decided(fixed, CONFIGURED if requested is None else REQUESTED, request, best)
         return self._auto(request, best)
 
     def costs(self, request: RequestFeatures, cluster: ClusterSnapshot) -> dict[Mode, OptionCost]:
@@ -239,7 +242,9 @@ class ModePolicy:
                 handoff = model.handoff_s(tokens)
                 ttft = model.hop_s[mode] + (best.prefill.queued_prefill_tokens + tokens) * rate
                 stall = decode.decoding * priors.admit_step_s
-                if request.seeded:
+                if request.seeded and request.max_tokens <= 1:
+                    stall = 0.0  # answered by prefill alone: no decode leg, no hand-off
+                elif request.seeded:
                     stall += handoff  # the request's own second token waits for its KV
                 else:
                     ttft += handoff + priors.admit_step_s

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import AsyncGenerator, AsyncIterator, Callable
+from typing import AsyncGenerator, AsyncIterator, Callable, Literal
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -108,10 +108,10 @@ class RequestFlow:
         self.seed_first_token = transfer.seed_first_token
         self.recompute_on_failure = transfer.on_transfer_failure == "recompute"
 
-    def requested_mode(self, requested: str | None) -> TransferMode | None:
-        """The mode a client named, checked; None where it named none or `auto` (the policy decides)."""
+    def requested_mode(self, requested: str | None) -> TransferMode | Literal["auto"] | None:
+        """The mode a client named (`auto`: the mode policy decides), checked; None where it named none."""
         if requested is None or requested == AUTO:
-            return None
+            return requested
         if requested not in self.modes:
             raise UnsupportedMode(f"transfer mode {requested!r} is not served here; choose one of "
                                   f"{[*self.modes, AUTO]}")

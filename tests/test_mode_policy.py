@@ -54,6 +54,8 @@ def test_costs_match_the_model_by_hand():
     assert costs["push"].ttft_s == pytest.approx(0.008) and costs["push"].stall_s == pytest.approx(0.030)
     assert costs["pull"].score == pytest.approx(0.037)
     unseeded = policy().costs(request(2000, seeded=False), busy)["pull"]  # the first token waits for the KV
+    one_token = policy().costs(RequestFeatures(prompt_tokens=2000, max_tokens=1), busy)  # prefill answers alone
+    assert one_token["pull"].stall_s == 0 and one_token["local"].stall_s == pytest.approx(0.008)
     assert unseeded.ttft_s == pytest.approx(0.007 + 0.010 + 0.005) and unseeded.stall_s == pytest.approx(0.020)
 
 
@@ -91,6 +93,8 @@ def test_an_explicit_mode_is_obeyed_in_every_mode():
 def test_a_fixed_policy_is_configured():
     decision = policy(policy="push").decide(request(100), cluster())
     assert (decision.mode, decision.reason) == ("push", CONFIGURED)
+    # a client that names auto gets the policy's choice whatever the configured mode
+    assert policy(policy="push").decide(request(100, requested_mode="auto"), cluster()).reason == LOWEST_COST
     with pytest.raises(ValueError, match="not among the modes served"):
         policy(policy="push", modes=("pull", "local"))
 
@@ -115,6 +119,8 @@ def test_prefill_down_is_served_local_under_auto_and_refused_for_a_named_mode():
     for named in (policy().decide(request(requested_mode="pull"), down), policy(policy="push").decide(request(), down)):
         assert (named.mode, named.reason) == (None, PREFILL_UNAVAILABLE)
     assert policy().decide(request(requested_mode="local"), down).reason == REQUESTED
+    named_auto = policy(policy="pull").decide(request(requested_mode="auto"), down)
+    assert (named_auto.mode, named_auto.reason) == ("local", PREFILL_UNAVAILABLE)
 
 
 def test_decode_down_is_refused():

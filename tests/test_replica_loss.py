@@ -71,7 +71,8 @@ def kill_during_stream(url: str, mode: str, pid: int) -> tuple[float, dict]:
 
 def answers_until_recovered(url: str, modes: tuple[str, ...], transferred: tuple[str, ...]) -> list[tuple]:
     """Requests in `modes`, one after another, until each mode has been served again after a 503 (or the time is
-    up). Every one must be answered within ANSWER_WITHIN_S: 200, or 503 with Retry-After."""
+    up). Every one must be answered within ANSWER_WITHIN_S: 200, or 503 with Retry-After. Each answer is (mode
+    asked, status, seconds, mode served, its reason)."""
     answers, deadline, recovered = [], time.monotonic() + RECOVERY_WITHIN_S, set()
     while recovered != set(modes) and time.monotonic() < deadline:
         for mode in modes:
@@ -79,7 +80,8 @@ def answers_until_recovered(url: str, modes: tuple[str, ...], transferred: tuple
             response = httpx.post(url + "/v1/completions", json=body(), headers={"x-kv-transfer-mode": mode},
                                   timeout=30)
             took_s = time.monotonic() - started
-            answers.append((mode, response.status_code, round(took_s, 2)))
+            answers.append((mode, response.status_code, round(took_s, 2), response.headers.get("x-kv-transfer-mode"),
+                            response.headers.get("x-kv-transfer-reason")))
             assert took_s < ANSWER_WITHIN_S, answers
             if response.status_code == 503:
                 assert response.headers["retry-after"] and response.json()["error"]["code"] == "engine_unavailable"
@@ -100,12 +102,13 @@ def test_the_only_decode_replica_killed_during_a_push_stream(url):
     assert ended_after_s < ANSWER_WITHIN_S and error["code"] == "engine_unavailable"
     assert "the decode leg failed" in error["message"], error
     answers = answers_until_recovered(url, MODES, transferred=("push", "pull"))
-    assert {status for _, status, _ in answers} == {503, 200}, answers
+    assert {status for _, status, *_ in answers} == {503, 200}, answers
 
 
 def test_the_only_prefill_replica_killed_under_pull_and_push_requests(url):
     """Requests in flight when prefill dies are answered (served, or 503) within 2 s of the kill; local requests
-    need no prefill and are served throughout."""
+    need no prefill and are served throughout. Requests that leave the mode to the policy (`auto`) are served
+    local, with that reason, once the ingress sees the prefill leg down; pull and push, named, get the 503."""
     def send(mode: str) -> tuple[int, float]:
         response = httpx.post(url + "/v1/completions", json=body(prompt=CASES[2].prompt),
                               headers={"x-kv-transfer-mode": mode}, timeout=30)
@@ -118,9 +121,14 @@ def test_the_only_prefill_replica_killed_under_pull_and_push_requests(url):
         killed_at = time.monotonic()
         outcomes = [future.result() for future in in_flight]
     assert all(status in (200, 503) and at - killed_at < ANSWER_WITHIN_S for status, at in outcomes), outcomes
-    answers = answers_until_recovered(url, ("pull", "push", "local"), transferred=("push", "pull"))
-    assert all(status == 200 for mode, status, _ in answers if mode == "local"), answers
-    assert {status for mode, status, _ in answers if mode != "local"} == {503, 200}, answers
+    answers = answers_until_recovered(url, ("pull", "push", "local", "auto"), transferred=("push", "pull"))
+    assert all(status == 200 for mode, status, *_ in answers if mode == "local"), answers
+    assert {status for mode, status, *_ in answers if mode in ("pull", "push")} == {503, 200}, answers
+    seen_down = [n for n, (mode, _, _, served, reason) in enumerate(answers)
+                 if mode == "auto" and (served, reason) == ("local", "prefill_unavailable")]
+    assert seen_down, answers
+    last_refused = max(n for n, (mode, status, *_) in enumerate(answers) if mode in ("pull", "push") and status == 503)
+    assert all(status == 200 for mode, status, *_ in answers[seen_down[0]:last_refused] if mode == "auto"), answers
 
 
 def test_the_decode_engine_core_killed_inside_its_live_replica(url):
@@ -129,5 +137,5 @@ def test_the_decode_engine_core_killed_inside_its_live_replica(url):
     assert ended_after_s < ANSWER_WITHIN_S and error["code"] == "engine_unavailable"
     assert "engine of replica" in error["message"] and "is dead" in error["message"], error
     answers = answers_until_recovered(url, MODES, transferred=("push", "pull"))
-    assert {status for _, status, _ in answers} == {503, 200}, answers
+    assert {status for _, status, *_ in answers} == {503, 200}, answers
     assert replica_pid("DecodeServer") != replica  # Serve replaced the replica whose engine died
