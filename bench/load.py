@@ -32,6 +32,7 @@ class Sample:
     token_times: list[float]  # seconds since sending, one per streamed token
     phases_ms: dict[str, float] = field(default_factory=dict)  # the app's timeline, when asked for
     replicas: dict[str, str] = field(default_factory=dict)  # the app's replica that served each leg, likewise
+    decision: dict = field(default_factory=dict)  # the app's mode decision (mode, reason, predicted costs), likewise
 
     @property
     def itls(self) -> list[float]:
@@ -66,7 +67,8 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: list[int], max
                 times += [time.perf_counter() - start] * n
     if len(times) != max_tokens:
         raise RuntimeError(f"expected {max_tokens} tokens, got {len(times)}")
-    return Sample(times[0], times, timings.get("phases_ms", {}), timings.get("replicas", {}))
+    return Sample(times[0], times, timings.get("phases_ms", {}), timings.get("replicas", {}),
+                  timings.get("decision", {}))
 
 
 async def run_concurrent(target: Target, prompts: list[list[int]], max_tokens: int, concurrency: int
