@@ -5,8 +5,8 @@ the engine, share of KV cache in use, prompt tokens queued, streams decoding) ev
 router adds the legs this process sent the replica since that report (`load`), so that a burst is not ranked on a
 picture from before it; the ingress's mode policy reads the same loads (app/replica_view.py). The router ranks
 replicas by what Serve cannot see itself: requests waiting inside the engine first (no room in its batch or its KV
-cache), then KV cache in use, in tenths. Among replicas of equal rank, Serve picks the one with the fewest requests in flight, its own fresher count
-of running work. A replica that has not reported yet (just started) ranks as idle.
+cache), then KV cache in use, in tenths. Among replicas of equal rank, Serve picks the one with the fewest requests
+in flight, its own fresher count of running work. A replica that has not reported yet (just started) ranks as idle.
 
 Every leg is routed when it is dispatched, so the modes bind as they should:
 - pull: the prefill replica on arrival; the decode replica only once prefill is done, by decode's load then;

@@ -152,7 +152,8 @@ def app_config(**transfer) -> dict:
     without a mode is pull here, as the suite's requests were written; the mode policy (`default_mode: auto`, the
     preset's) has tests of its own (test_mode_choice.py)."""
     config = yaml.safe_load(CPU_CONFIG.read_text())
-    config["transfer"].update({"lease_s": LEASE_S, "push_timeout_s": PUSH_TIMEOUT_S, "default_mode": "pull", **transfer})
+    config["transfer"].update({"lease_s": LEASE_S, "push_timeout_s": PUSH_TIMEOUT_S, "default_mode": "pull",
+                               **transfer})
     return config
 
 
