@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import Target, percentile, send
+from bench.systems import app_on_own_cluster
 
 MODES = ("pull", "local")
 
@@ -73,31 +74,18 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
-    import ray
-    from ray import serve
-
-    from app.builder import build_pd_app, resolve_config_path
+    from app.builder import resolve_config_path
     from app.config import load_config
-    from kv.engine_identity import free_port
 
     config = load_config(resolve_config_path(args.config))
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 4000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     console = Console(width=120)
-    ray.init(num_cpus=config.prefill.max_replicas + config.decode.max_replicas, include_dashboard=False,
-             logging_level="ERROR", log_to_driver=False)
-    try:
-        port = free_port("127.0.0.1")
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        with console.status("starting the app"):
-            serve.run(build_pd_app(config), name="pd", route_prefix="/")
-        target = Target([f"http://127.0.0.1:{port}"], config.model_id, {"x-pd-timings": "1"})
+    with console.status("starting the app"), app_on_own_cluster(config) as url:
+        target = Target([url], config.model_id, {"x-pd-timings": "1"})
         asyncio.run(measure(target, "pull", prompts[:4], args.max_tokens))  # warm-up
         with console.status("measuring"):
             results, busy_replica, stayed_busy = asyncio.run(run(target, prompts, args.max_tokens, args.busy_tokens))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
     table = Table("mode", "decode replicas", "TTFT p50 ms", "TTFT p99 ms", "requests per decode replica",
                   title=f"{args.requests} requests of {args.prompt_tokens} prompt tokens, one at a time",

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import Target, send
+from bench.systems import app_on_own_cluster
 
 MODES = ("push", "pull", "local", "auto")
 FIXED = MODES[:3]
@@ -142,31 +143,16 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
-    import ray
-    from ray import serve
-
-    from app.builder import build_pd_app, resolve_config_path
+    from app.builder import resolve_config_path
     from app.config import load_config
-    from kv.engine_identity import free_port
 
     config = load_config(resolve_config_path(args.config))
     console = Console(width=160)
-    ray.init(num_cpus=config.prefill.max_replicas + config.decode.max_replicas, include_dashboard=False,
-             logging_level="ERROR", log_to_driver=False)
-    try:
-        port = free_port("127.0.0.1")
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        with console.status("starting the app"):
-            serve.run(build_pd_app(config), name="pd", route_prefix="/")
-        target = Target([f"http://127.0.0.1:{port}"], config.model_id, {"x-pd-timings": "1"})
+    with console.status("starting the app, then measuring"), app_on_own_cluster(config) as url:
+        target = Target([url], config.model_id, {"x-pd-timings": "1"})
         rng = random.Random(args.seed)
-        with console.status("warming up"):
-            asyncio.run(measure(target, [0], [128], 1, rng))
-        with console.status("measuring"):
-            results = asyncio.run(measure(target, args.streams, args.lengths, args.repeats, rng))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        asyncio.run(measure(target, [0], [128], 1, rng))  # warm-up
+        results = asyncio.run(measure(target, args.streams, args.lengths, args.repeats, rng))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
                                    indent=1))

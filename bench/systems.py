@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import psutil
@@ -146,3 +146,24 @@ def serve_actor_pids(prefix: str) -> dict[str, int]:
 def serve_replica_pids(app_name: str) -> list[int]:
     """Pids of the replicas of every deployment of one Serve application."""
     return list(serve_actor_pids(f"SERVE_REPLICA::{app_name}#").values())
+
+
+@contextlib.contextmanager
+def app_on_own_cluster(config: PDAppConfig) -> Iterator[str]:
+    """The app from `config` as Serve application `pd` on a Ray cluster of its own (a logical CPU per engine
+    replica), until the block ends; yields its base URL."""
+    import ray
+    from ray import serve
+
+    from app.builder import build_pd_app
+
+    ray.init(num_cpus=config.prefill.max_replicas + config.decode.max_replicas, include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False)
+    try:
+        port = free_port(HOST)
+        serve.start(http_options={"host": HOST, "port": port})
+        serve.run(build_pd_app(config), name="pd", route_prefix="/")
+        yield f"http://{HOST}:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
