@@ -4,7 +4,7 @@
                           [--kill replica|engine-core|both] [--rate 1.5] [--hang-after-s 10]
 
 Starts the app on a Ray cluster of its own and sends it open-loop (Poisson) requests at `--rate` per second: push,
-pull and local at random, streaming or not, a tenth of the streaming clients leaving after their first token; all
+pull, local and auto at random, streaming or not, a tenth of the streaming clients leaving after their first token; all
 greedy, from a pool of prompts whose answers a colocated vLLM engine computed once up front. Every `--kill-every-s`
 (once the app is back at full capacity) it SIGKILLs, by pid, a random engine replica's process (`replica`), or the
 engine-core process inside a live replica (`engine-core`), or either at random (`both`).
@@ -42,7 +42,7 @@ from bench.systems import engine_processes, serve_actor_pids
 
 APP = "pd"
 ROLES = {"prefill": "PrefillServer", "decode": "DecodeServer"}
-MODES = ("push", "pull", "local")
+MODES = ("push", "pull", "local", "auto")  # auto: the mode policy decides (and serves local while prefill is down)
 POOL = [(32, 16), (128, 32), (256, 8), (512, 32), (768, 16), (1024, 8), (1536, 16), (64, 48)]  # prompt, output
 
 

@@ -244,7 +244,8 @@ def test_client_abort_leaves_no_kv_blocks_in_use(app, mode, when):
     assert all(l["running"] == l["waiting"] == 0 for l in loads.values()), loads
     # Blocks that may still be written or read wait for their push deadline or lease.
     loads = app.wait_until_idle(IDLE_WITHIN_S)
-    assert loads == {role: {"running": 0, "waiting": 0, "kv_cache_usage": 0.0} for role in ("prefill", "decode")}
+    idle = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "queued_prefill_tokens": 0, "decoding": 0}
+    assert {role: {key: load[key] for key in idle} for role, load in loads.items()} == {"prefill": idle, "decode": idle}
     # and the pair still serves
     assert _complete(app, CASES[0], mode)["choices"][0]["finish_reason"] == "length"
 
