@@ -276,7 +276,7 @@ def main() -> None:
     with console.status("computing the reference answers on a colocated engine"):
         references = [out["token_ids"] for out in colocated_outputs(config_path, cases)]
     targets = {ROLES[role]: getattr(config, role).max_replicas for role in ROLES}
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         port = free_port("127.0.0.1")
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -168,7 +168,7 @@ def main() -> None:
 
     config = load_config(resolve_config_path(args.config))
     console = Console()
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         port = free_port("127.0.0.1")
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -157,8 +157,8 @@ def app_on_own_cluster(config: PDAppConfig) -> Iterator[str]:
 
     from app.builder import build_pd_app
 
-    ray.init(num_cpus=config.prefill.max_replicas + config.decode.max_replicas, include_dashboard=False,
-             logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=config.prefill.max_replicas + config.decode.max_replicas,
+             include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         port = free_port(HOST)
         serve.start(http_options={"host": HOST, "port": port})

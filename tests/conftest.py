@@ -213,8 +213,9 @@ def app(reference_outputs) -> RunningApp:
     # Two cores, and logical CPUs for the engines some modules start beside the app's (they share those cores): the
     # recompute test's decode engine, then test_replicas' four.
     # Metrics are exported each second rather than every ten, so that a test sees them soon after requests.
-    ray.init(num_cpus=6, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
-             logging_level="WARNING", _metrics_export_port=metrics_port,
+    # A cluster of its own ("local"), never one a killed run left its address behind for.
+    ray.init(address="local", num_cpus=6, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=dashboard_port, logging_level="WARNING", _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
