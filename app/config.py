@@ -14,6 +14,7 @@ import yaml
 from vllm.config import SchedulerConfig
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
+from app.mode_policy import CostPriors
 from kv.config import StrictModel, TransferConfig
 
 
@@ -140,6 +141,9 @@ class IngressConfig(StrictModel):
         "replica of its role can: they died or are being replaced) the request is tried on the replicas left, or "
         "gets a 503 with Retry-After.")
     max_request_bytes: PositiveInt = Field(default=4 * 2**20, description="Larger request bodies get a 413.")
+    mode_policy: CostPriors = Field(
+        default_factory=CostPriors, description="Where the `auto` mode policy's learned costs start and how it "
+        "weighs a request's TTFT against the stall it imposes on running streams (app/mode_policy.py).")
     api_key_env: str | None = Field(
         default=None,
         description="Name of an environment variable, set in the ingress replicas, holding the key clients must send "

@@ -92,7 +92,8 @@ class OpenAIIngress:
         self.max_request_bytes = config.ingress.max_request_bytes
         self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer, config.ingress.replica_wait_s)
-        self.policy = ModePolicy(PolicyConfig(policy=config.transfer.default_mode, modes=config.transfer.modes))
+        self.policy = ModePolicy(PolicyConfig(config.transfer.default_mode, config.transfer.modes,
+                                              config.ingress.mode_policy))
         self.engines = {"prefill": prefill, "decode": decode}
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.
         self.tokenizer = AutoTokenizer.from_pretrained(

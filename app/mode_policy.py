@@ -92,8 +92,9 @@ class Decision:
 
 @dataclass(frozen=True)
 class CostPriors:
-    """Where the learned coefficients start, and the model's weights. The defaults are this project's tiny model on
-    this project's CPU machines; a GPU preset sets its own."""
+    """Where the learned coefficients start, and the model's weights: the app's `ingress.mode_policy` section. The
+    defaults are this project's tiny model on this project's CPU machines; the rates are learned online from there,
+    the weights and limits are kept."""
 
     prefill_s_per_token: float = 1.1e-4  # a prefill engine, idle
     local_prefill_s_per_token: float = 1.2e-4  # a decode engine prefilling a prompt itself, idle
@@ -108,6 +109,14 @@ class CostPriors:
     learning_rate: float = 0.2  # weight of each new observation in the learned coefficients
     min_samples: int = 3  # an option seen fewer times than this at a load level is worth exploring there
     explore_every: int = 20  # at most one exploring decision in this many
+
+    def __post_init__(self):
+        if set(self.hop_s) != set(MODES) or min(self.hop_s.values()) < 0:
+            raise ValueError(f"hop_s needs a non-negative cost for each of {list(MODES)}, got {dict(self.hop_s)}")
+        if min(self.ttft_weight.values(), default=1.0) < 0 or self.stall_weight < 0:
+            raise ValueError("ttft_weight and stall_weight must not be negative")
+        if not 0 < self.learning_rate <= 1:
+            raise ValueError(f"learning_rate must be in (0, 1], got {self.learning_rate}")
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,16 @@ def test_unknown_keys_and_modes_are_refused():
     assert "backends" in _invalid(lambda c: c["transfer"].update(backends=["CARRIER_PIGEON"]))
 
 
+def test_the_mode_policys_starting_costs_and_weights_are_configured_and_checked():
+    raw = raw_cpu_config()
+    raw["ingress"] = {**raw.get("ingress", {}), "mode_policy": {"stall_weight": 0.25, "prefill_s_per_token": 3e-5}}
+    priors = PDAppConfig.model_validate(raw).ingress.mode_policy
+    assert (priors.stall_weight, priors.prefill_s_per_token, priors.admit_step_s) == (0.25, 3e-5, 0.01)
+    assert "hop_s" in _invalid(lambda c: c.setdefault("ingress", {}).update(mode_policy={"hop_s": {"push": 0.01}}))
+    assert "stall_weight" in _invalid(lambda c: c.setdefault("ingress", {}).update(mode_policy={"stall_weight": -1}))
+    assert "stal_weight" in _invalid(lambda c: c.setdefault("ingress", {}).update(mode_policy={"stal_weight": 1}))
+
+
 def test_backends_have_one_place_in_the_config():
     assert "transfer section" in _invalid(lambda c: c["transfer"].update(
         connector_extra_config={"backends": ["UCX"]}))
