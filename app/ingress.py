@@ -268,6 +268,8 @@ class OpenAIIngress:
         decision = self.policy.decide(features, self.flow.replicas.snapshot())
         if decision.mode is None:
             raise _unavailable(f"no replica can take this request's legs ({decision.reason})")
+        # The engine that computes the prompt: counted in its role's load from now, not once a replica takes it.
+        self.flow.replicas.expect("decode" if decision.mode == "local" else "prefill", len(prompt_ids))
         return decision
 
     def _learn(self, admitted: Admitted) -> None:

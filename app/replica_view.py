@@ -8,30 +8,36 @@ actor (they answer every leg with `ReplicaUnavailable`). So a leg with no usable
 once, instead of waiting in Serve's router until a replacement engine is up, which takes a minute or more.
 
 The same routers hold each replica's last load report plus the legs this process sent it since: `snapshot()` is
-what the mode policy decides on (app/mode_policy.py), the very loads the routers rank replicas by.
+what the mode policy decides on (app/mode_policy.py), the very loads the routers rank replicas by. A leg the policy
+has decided on but no replica has taken yet (its dispatch and the replica's answer take a few milliseconds) counts
+too, on every replica of its role, until one takes it: so a burst of requests decided within those milliseconds
+does not all see the same idle cluster and all go the same way.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+import time
+from collections import deque
+from typing import Mapping
 
 from ray.serve.handle import DeploymentHandle
 
 from app.mode_policy import ClusterSnapshot, ReplicaLoad
-
-if TYPE_CHECKING:
-    from app.routing import EngineLoadRouter
+from app import routing  # a module: each imports the other
 
 # This process's router of each engine deployment, by (application, deployment), once its handle has been used.
 # Each router adds itself when Serve creates it.
-ROUTERS: dict[tuple[str, str], EngineLoadRouter] = {}
+ROUTERS: dict[tuple[str, str], routing.EngineLoadRouter] = {}
 
 
 class ReplicaView:
     def __init__(self, engines: Mapping[str, DeploymentHandle]):
         self._deployments = {role: (handle.app_name, handle.deployment_name) for role, handle in engines.items()}
+        # role -> (when decided, prompt tokens its engine will compute) per leg no replica has taken yet. One that
+        # is never taken (its request failed first) stops counting after routing.SENT_LEG_MAX_AGE_S, as a sent leg does.
+        self._expected: dict[str, deque[tuple[float, int]]] = {role: deque() for role in engines}
 
-    def _router(self, role: str) -> EngineLoadRouter | None:
+    def _router(self, role: str) -> routing.EngineLoadRouter | None:
         router = ROUTERS.get(self._deployments[role])
         return router if router is not None and router.populated else None
 
@@ -52,8 +58,21 @@ class ReplicaView:
     def replicas(self) -> dict[str, int | None]:
         return {role: self.usable(role) for role in self._deployments}
 
+    def expect(self, role: str, tokens_to_compute: int) -> None:
+        """A leg of `role` is decided on: it counts on every replica of `role` until one takes it."""
+        self._expected[role].append((time.time(), tokens_to_compute))
+
+    def _expected_legs(self, role: str) -> deque[tuple[float, int]]:
+        legs, oldest = self._expected[role], time.time() - routing.SENT_LEG_MAX_AGE_S
+        while legs and legs[0][0] <= oldest:
+            legs.popleft()
+        return legs
+
     def sent(self, role: str, replica: str, tokens_to_compute: int) -> None:
         """A leg went to `replica`: it counts in that replica's load until the replica's own report does."""
+        legs = self._expected_legs(role)
+        if (taken := next((leg for leg in legs if leg[1] == tokens_to_compute), None)) is not None:
+            legs.remove(taken)
         if (router := self._router(role)) is not None:
             router.sent(replica, tokens_to_compute)
 
@@ -66,12 +85,14 @@ class ReplicaView:
         router = self._router(role)
         if router is None:
             return (ReplicaLoad(f"{role}-unknown"),)
+        expected = self._expected_legs(role)
+        expected_tokens = sum(tokens for _, tokens in expected)
         loads = []
         for replica in router.curr_replicas.values():
             uid, stats = replica.replica_id.unique_id, router.load(replica)
             loads.append(ReplicaLoad(uid, healthy=uid not in router.failed, running=stats.get("running", 0),
-                                     waiting=stats.get("waiting", 0),
-                                     queued_prefill_tokens=stats.get("queued_prefill_tokens", 0),
+                                     waiting=stats.get("waiting", 0) + len(expected),
+                                     queued_prefill_tokens=stats.get("queued_prefill_tokens", 0) + expected_tokens,
                                      kv_cache_usage=stats.get("kv_cache_usage", 0.0),
                                      decoding=stats.get("decoding", 0)))
         return tuple(loads)

@@ -54,8 +54,10 @@ class EngineLoadRouter(FIFOMixin, RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.populated = True
-        # A failed replica that Serve no longer lists has been replaced: nothing left to pass over.
-        self.failed &= {replica.replica_id.unique_id for replica in replicas}
+        # A replica that Serve no longer lists has been replaced: nothing left to pass over or to count legs for.
+        listed = {replica.replica_id.unique_id for replica in replicas}
+        self.failed &= listed
+        self._sent = {uid: legs for uid, legs in self._sent.items() if uid in listed}
 
     def mark_failed(self, replica: str) -> None:
         self.failed |= {replica}

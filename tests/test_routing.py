@@ -6,7 +6,10 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from app.routing import EngineLoadRouter, load_rank
+from ray.serve.request_router import RequestRouter
+
+from app.replica_view import ROUTERS, ReplicaView
+from app.routing import SENT_LEG_MAX_AGE_S, EngineLoadRouter, load_rank
 
 
 def replica(name: str, **stats) -> SimpleNamespace:
@@ -55,3 +58,33 @@ def test_legs_sent_since_a_report_count_until_a_newer_report():
     assert ranks(a, b, by=sender) == [["b"], ["a"]]
     newer = replica("a", waiting=1, queued_prefill_tokens=500, at=time.time() + 0.01)  # the engine counts it now
     assert sender.load(newer)["waiting"] == 1 and sender.load(newer)["queued_prefill_tokens"] == 500
+
+
+def test_a_replaced_replica_is_forgotten(monkeypatch):
+    """Legs sent to and failures of a replica Serve no longer lists are dropped, so replacements do not pile up."""
+    monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)  # Serve's own bookkeeping
+    sender = router(failed=frozenset({"gone", "dead"}))
+    sender.sent("gone", 100)
+    sender.sent("kept", 200)
+    sender.update_replicas([replica("kept"), replica("dead")])
+    assert set(sender._sent) == {"kept"} and sender.failed == {"dead"}
+
+
+def test_a_decided_leg_counts_on_its_role_until_a_replica_takes_it(monkeypatch):
+    """The policy's view of a burst: legs decided on but not yet taken count on every replica of their role, then
+    only on the replica that took them, and one never taken stops counting."""
+    view = ReplicaView({role: SimpleNamespace(app_name="view-test", deployment_name=role)
+                        for role in ("prefill", "decode")})
+    for role in ("prefill", "decode"):
+        routed = router()
+        routed.populated, routed._replicas = True, {name: replica(name, at=time.time())
+                                                    for name in (f"{role}-a", f"{role}-b")}
+        monkeypatch.setitem(ROUTERS, ("view-test", role), routed)
+    view.expect("prefill", 300)
+    view.expect("prefill", 200)
+    assert [(r.waiting, r.queued_prefill_tokens) for r in view.snapshot().prefill] == [(2, 500), (2, 500)]
+    assert [r.queued_prefill_tokens for r in view.snapshot().decode] == [0, 0]
+    view.sent("prefill", "prefill-b", 300)
+    assert [(r.waiting, r.queued_prefill_tokens) for r in view.snapshot().prefill] == [(1, 200), (2, 500)]
+    monkeypatch.setattr(time, "time", lambda now=time.time(): now + SENT_LEG_MAX_AGE_S + 0.1)
+    assert [r.queued_prefill_tokens for r in view.snapshot().prefill] == [0, 0]
