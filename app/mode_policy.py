@@ -8,14 +8,16 @@ The cost of each option is two numbers, in seconds:
   engine's seconds per token) + prefill (the prompt's tokens, times the same rate) + the hand-off, when the first
   token is not seeded by prefill (it then waits for the KV on decode);
 - stall: what the option makes streams wait. A local prefill on a decode engine holds each of its R running streams
-  for the prefill's length (chunked prefill shares the steps); a hand-off holds them for one admission step. A seeded
+  for the prefill's extra length, its per-token part (the step's fixed part they would wait for anyway; chunked
+  prefill shares the steps); a hand-off holds them for one admission step. A seeded
   remote request's own second token waits for its hand-off, counted here too (a seeded request of one token is
   answered by prefill alone: no stall).
 The option with the lowest `ttft_weight(class) * ttft + stall_weight * stall` wins.
 
-The coefficients start from configuration and are learned from what requests report (`CostModel.observe`): seconds
-per prompt token on each role's engine, kept per load level (how many streams decode is decoding), because where the
-serving stack shares cores with the engines a prefill slows while decode is busy; the hand-off's seconds per KV byte;
+The coefficients start from configuration and are learned from what requests report (`CostModel.observe`): each
+role's prefill time as a fixed step cost plus seconds per prompt token (`PrefillFit`, a least-squares line over the
+prompt lengths seen), kept per load level (how many streams decode is decoding), because where the serving stack
+shares cores with the engines a prefill slows while decode is busy; the hand-off's seconds per KV byte;
 and each mode's fixed cost (the part of its TTFT that no token count explains). An option that has not been seen at
 the current load level is tried now and then (`explore`), so a rate that changed with load is learned, not assumed.
 """
@@ -132,12 +134,48 @@ class Observation:
     handoff_s: float | None = None  # push and pull: the KV's crossing
 
 
+@dataclass(frozen=True)
+class PrefillCost:
+    step_s: float  # the fixed part: what a step costs whatever the prompt
+    s_per_token: float
+
+    def __call__(self, tokens: int) -> float:
+        return self.step_s + tokens * self.s_per_token
+
+
+class PrefillFit:
+    """Prefill seconds against prompt tokens, a line fitted by exponentially weighted least squares: each new
+    observation weighs as much as `learning_rate` of all before it."""
+
+    def __init__(self, learning_rate: float):
+        self.keep = 1 - learning_rate
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.cost = PrefillCost(0.0, 0.0)  # the fitted line, refitted at each observation
+
+    def add(self, tokens: int, seconds: float) -> None:
+        k = self.keep
+        self.w, self.x, self.y = k * self.w + 1, k * self.x + tokens, k * self.y + seconds
+        self.xx, self.xy = k * self.xx + tokens * tokens, k * self.xy + tokens * seconds
+        self.cost = self._fit()
+
+    def _fit(self) -> PrefillCost:
+        """Through the origin while the lengths seen are too alike to separate the step from the tokens, or where
+        the fit would give a part below zero."""
+        spread = self.w * self.xx - self.x * self.x
+        if spread > 1e-9 * self.w * self.xx:
+            per_token = (self.w * self.xy - self.x * self.y) / spread
+            step = (self.y - per_token * self.x) / self.w
+            if per_token > 0 and step >= 0:
+                return PrefillCost(step, per_token)
+        return PrefillCost(0.0, self.y / self.x)
+
+
 class CostModel:
     """The learned coefficients: each an exponentially weighted average of what requests reported."""
 
     def __init__(self, priors: CostPriors):
         self.priors = priors
-        self.rates: dict[tuple[Role, int], float] = {}  # (engine role, load level) -> seconds per prompt token
+        self.fits: dict[tuple[Role, int], PrefillFit] = {}  # (engine role, load level) -> prefill time vs tokens
         self.samples: dict[tuple[Mode, int], int] = {}  # (mode, load level) -> observations
         self.hop_s: dict[Mode, float] = dict(priors.hop_s)
         self.handoff_s_per_byte = priors.handoff_s_per_byte
@@ -145,13 +183,14 @@ class CostModel:
     def _blend(self, old: float, new: float) -> float:
         return old + self.priors.learning_rate * (new - old)
 
-    def rate(self, role: Role, level: int) -> float:
-        """Seconds per prompt token on `role`'s engine at `level`: learned there, else at the nearest level below
-        that was seen (load slows an engine, never speeds it), else the prior."""
+    def prefill(self, role: Role, level: int) -> PrefillCost:
+        """A prefill on `role`'s engine at `level`: learned there, else at the nearest level below that was seen
+        (load slows an engine, never speeds it), else the prior."""
         for at in range(level, -1, -1):
-            if (role, at) in self.rates:
-                return self.rates[role, at]
-        return self.priors.local_prefill_s_per_token if role == "decode" else self.priors.prefill_s_per_token
+            if (role, at) in self.fits:
+                return self.fits[role, at].cost
+        return PrefillCost(0.0, self.priors.local_prefill_s_per_token if role == "decode"
+                           else self.priors.prefill_s_per_token)
 
     def handoff_s(self, prompt_tokens: int) -> float:
         return self.priors.handoff_fixed_s + prompt_tokens * self.priors.kv_bytes_per_token * self.handoff_s_per_byte
@@ -162,9 +201,8 @@ class CostModel:
         key = (seen.mode, level)
         self.samples[key] = self.samples.get(key, 0) + 1
         if seen.prompt_tokens > 0 and seen.prefill_s > 0:
-            observed = seen.prefill_s / seen.prompt_tokens
-            self.rates[role, level] = self._blend(self.rate(role, level), observed) if (role, level) in self.rates \
-                else observed
+            self.fits.setdefault((role, level), PrefillFit(self.priors.learning_rate)).add(
+                seen.prompt_tokens, seen.prefill_s)
         if seen.handoff_s is not None and seen.prompt_tokens > 0:
             kv_bytes = seen.prompt_tokens * self.priors.kv_bytes_per_token
             per_byte = max(seen.handoff_s - self.priors.handoff_fixed_s, 0.0) / kv_bytes
@@ -240,16 +278,15 @@ class ModePolicy:
         costs: dict[Mode, OptionCost] = {}
         for mode in self.config.modes:
             if mode == "local":
-                rate = model.rate("decode", load_level(best.streams(mode)))
-                prefill_s = tokens * rate
-                ttft = model.hop_s["local"] + decode.queued_prefill_tokens * rate + prefill_s
-                stall = decode.decoding * prefill_s
+                prefill = model.prefill("decode", load_level(best.streams(mode)))
+                ttft = model.hop_s["local"] + decode.queued_prefill_tokens * prefill.s_per_token + prefill(tokens)
+                stall = decode.decoding * tokens * prefill.s_per_token
             elif best.prefill is None:
                 continue
             else:
-                rate = model.rate("prefill", load_level(best.streams(mode)))
+                prefill = model.prefill("prefill", load_level(best.streams(mode)))
                 handoff = model.handoff_s(tokens)
-                ttft = model.hop_s[mode] + (best.prefill.queued_prefill_tokens + tokens) * rate
+                ttft = model.hop_s[mode] + best.prefill.queued_prefill_tokens * prefill.s_per_token + prefill(tokens)
                 stall = decode.decoding * priors.admit_step_s
                 if request.seeded and request.max_tokens <= 1:
                     stall = 0.0  # answered by prefill alone: no decode leg, no hand-off

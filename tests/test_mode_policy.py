@@ -156,11 +156,28 @@ def test_the_prefill_rate_is_learned_per_load_level():
     learner = policy()
     for _ in range(30):  # under load, the prefill engine runs at a third of its idle speed
         learner.model.observe(Observation("pull", prompt_tokens=1000, decoding=6, prefill_s=0.003))
-    assert learner.model.rate("prefill", load_level(6)) == pytest.approx(3e-6)
-    assert learner.model.rate("prefill", load_level(0)) == pytest.approx(1e-6)  # idle: the prior still
-    assert learner.model.rate("prefill", load_level(40)) == pytest.approx(3e-6)  # above: the nearest seen below
+    assert learner.model.prefill("prefill", load_level(6)).s_per_token == pytest.approx(3e-6)
+    assert learner.model.prefill("prefill", load_level(0)).s_per_token == pytest.approx(1e-6)  # idle: the prior
+    assert learner.model.prefill("prefill", load_level(40)).s_per_token == pytest.approx(3e-6)  # the nearest below
     busy = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=0)], decode=[ReplicaLoad("d0", decoding=6)])
     assert learner.costs(request(1000), busy)["pull"].ttft_s == pytest.approx(0.002 + 0.003)
+
+
+def test_a_steps_fixed_cost_is_told_from_the_prompts_and_stalls_no_stream():
+    """A local prefill's first step also decodes the running streams: that part is learned as the step's fixed
+    cost, which streams pay anyway, so only the prompt's own part counts as their stall."""
+    learner = policy()
+    for n in range(40):  # a 40 ms step, plus 0.1 ms per prompt token
+        tokens = (128, 1024, 1900)[n % 3]
+        learner.model.observe(Observation("local", prompt_tokens=tokens, decoding=6, prefill_s=0.04 + tokens * 1e-4))
+    fitted = learner.model.prefill("decode", load_level(6))
+    assert (fitted.step_s, fitted.s_per_token) == (pytest.approx(0.04), pytest.approx(1e-4))
+    busy = cluster(decode=[ReplicaLoad("d0", decoding=6)])
+    local = learner.costs(request(128), busy)["local"]
+    assert local.ttft_s == pytest.approx(0.001 + 0.04 + 0.0128) and local.stall_s == pytest.approx(6 * 0.0128)
+    learner.model.observe(Observation("pull", prompt_tokens=500, decoding=0, prefill_s=0.05))
+    alike = learner.model.prefill("prefill", 0)  # one length seen: no step to tell apart, the line goes through 0
+    assert (alike.step_s, alike.s_per_token) == (0.0, pytest.approx(1e-4))
 
 
 def test_hops_and_hand_off_are_learned_from_timelines():
