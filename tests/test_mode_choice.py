@@ -6,6 +6,7 @@ and a disaggregated answer's prompt crossed as KV."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -95,3 +96,18 @@ def test_the_decision_sees_streams_decoding_on_the_decode_engine(app, url):
         time.sleep(1.0)  # a few load reports (every 0.2 s) after the stream started decoding
         busy = complete(url, CASES[1]).json()["pd_timings"]["decision"]["predicted_ms"]
     assert busy["local"]["stall"] > 0, busy
+
+
+def test_a_burst_spreads_over_the_engines(app, url):
+    """Requests decided within the same few milliseconds each see the ones decided before them (queued on the
+    engine that will prefill them), so a burst of long prompts does not all queue on one engine."""
+    app.wait_until_idle(timeout_s=30)
+    time.sleep(1.0)  # load reports since the engines went idle
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0}
+    prompts = [[100 + (n * 37 + k) % 3900 for k in range(1000)] for n in range(8)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda prompt: httpx.post(url + "/v1/completions", json={**body, "prompt": prompt},
+                                                          timeout=120), prompts))
+    assert all(answer.status_code == 200 for answer in answers), [a.text for a in answers if a.status_code != 200]
+    served = [(answer.headers["x-kv-transfer-mode"], answer.headers["x-kv-transfer-reason"]) for answer in answers]
+    assert len({mode for mode, _ in served}) > 1, served
