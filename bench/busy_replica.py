@@ -1,11 +1,11 @@
 """Time to first token on several decode replicas, with and without one of them kept busy.
 
-    python -m bench.busy_replica [--config configs/cpu-1p2d.yaml] [--requests 40] [--prompt-tokens 512]
+    python -m bench.busy_replica [--config configs/cpu-1p2d.yaml] [--requests 20] [--prompt-tokens 512]
 
-Starts the app on a Ray cluster of its own. For pull and local, it sends `--requests` short requests one after
-another, first with every decode replica idle, then while one long request keeps a decode replica decoding, and
-prints TTFT p50/p99 and the share of requests each decode replica took (from `x-pd-timings`), side by side from one
-run. On a 2-core machine the decode replicas share a core, so the busy one also slows the other: the numbers show
+Starts the app on a Ray cluster of its own. It sends `--requests` short requests in each mode and in `auto`, one
+after another, the modes interleaved, first with every decode replica idle, then while one long request keeps a
+decode replica decoding, and prints TTFT p50/p99 and the share of requests each decode replica took (from
+`x-pd-timings`), side by side from one run. On a 2-core machine the decode replicas share a core, so the busy one also slows the other: the numbers show
 where the router sends requests, and what the shared core costs.
 """
 
@@ -25,15 +25,21 @@ from rich.table import Table
 from bench.load import Target, percentile, send
 from bench.systems import app_on_own_cluster
 
-MODES = ("pull", "local")
+MODES = ("push", "pull", "local", "auto")
 
 
-async def measure(target: Target, mode: str, prompts: list[list[int]], max_tokens: int) -> tuple[list, Counter]:
-    headers = {**target.headers, "x-kv-transfer-mode": mode}
-    moded = Target(target.urls, target.model, headers)
+async def measure(target: Target, prompts: list[list[int]], max_tokens: int) -> dict[str, tuple[list, Counter]]:
+    """Each prompt in every mode, the modes interleaved in a fresh order per prompt, so that all of them see the
+    same conditions: per mode, the TTFTs and the decode replicas that served them."""
+    rng = random.Random(len(prompts))
+    samples: dict[str, list] = {mode: [] for mode in MODES}
     async with httpx.AsyncClient(timeout=120) as client:
-        samples = [await send(client, moded, prompt, max_tokens) for prompt in prompts]
-    return [s.ttft for s in samples], Counter(s.replicas.get("decode") for s in samples)
+        for prompt in prompts:
+            for mode in rng.sample(MODES, len(MODES)):
+                moded = Target(target.urls, target.model, {**target.headers, "x-kv-transfer-mode": mode})
+                samples[mode].append(await send(client, moded, prompt, max_tokens))
+    return {mode: ([s.ttft for s in got], Counter(s.replicas.get("decode") for s in got))
+            for mode, got in samples.items()}
 
 
 async def busy_decode(target: Target, tokens: int, started: asyncio.Event) -> str:
@@ -54,12 +60,12 @@ async def busy_decode(target: Target, tokens: int, started: asyncio.Event) -> st
 
 async def run(target: Target, prompts: list[list[int]], max_tokens: int, busy_tokens: int) -> tuple[dict, str, bool]:
     """TTFTs and decode replicas per (mode, condition); the busy decode replica; whether it stayed busy throughout."""
-    results = {(mode, "all idle"): await measure(target, mode, prompts, max_tokens) for mode in MODES}
+    results = {(mode, "all idle"): got for mode, got in (await measure(target, prompts, max_tokens)).items()}
     started = asyncio.Event()
     busy = asyncio.ensure_future(busy_decode(target, busy_tokens, started))
     await started.wait()
-    for mode in MODES:
-        results[(mode, "one decode replica busy")] = await measure(target, mode, prompts, max_tokens)
+    busy_results = await measure(target, prompts, max_tokens)
+    results |= {(mode, "one decode replica busy"): got for mode, got in busy_results.items()}
     stayed_busy = not busy.done()  # the long request outlasted the measurement
     return results, await busy, stayed_busy
 
@@ -67,10 +73,10 @@ async def run(target: Target, prompts: list[list[int]], max_tokens: int, busy_to
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/cpu-1p2d.yaml")
-    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--requests", type=int, default=20, help="per mode")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--busy-tokens", type=int, default=1500)
+    parser.add_argument("--busy-tokens", type=int, default=2000)
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -83,7 +89,7 @@ def main() -> None:
     console = Console(width=120)
     with console.status("starting the app"), app_on_own_cluster(config) as url:
         target = Target([url], config.model_id, {"x-pd-timings": "1"})
-        asyncio.run(measure(target, "pull", prompts[:4], args.max_tokens))  # warm-up
+        asyncio.run(measure(target, prompts[:2], args.max_tokens))  # warm-up
         with console.status("measuring"):
             results, busy_replica, stayed_busy = asyncio.run(run(target, prompts, args.max_tokens, args.busy_tokens))
 

@@ -1,15 +1,18 @@
 """The trade the mode policy weighs, measured: a probe prompt's TTFT against the stall it imposes on streams already
 decoding, in every mode and under `auto`, side by side in one run.
 
-    python -m bench.mode_tradeoff [--config configs/cpu-tiny.yaml] [--streams 0 6 16] [--lengths 128 1024 1900]
-                                  [--repeats 5] [--out bench/results/mode_tradeoff.json]
+    python -m bench.mode_tradeoff [--config configs/cpu-tiny.yaml] [--streams 0 6 16] [--burst 12]
+                                  [--lengths 128 1024 1900] [--repeats 5] [--out bench/results/mode_tradeoff.json]
 
-Starts the app on a Ray cluster of its own. For each number of background streams K, K long local streams keep the
-decode engine decoding (each restarted when it ends); then, `--repeats` times, one probe of each length is sent in
-each of push, pull, local and auto, interleaved, one at a time (4 output tokens). Per probe: its TTFT as the ingress
-stamps it (`pd_timings`), as the client sees it, and the worst gap between two tokens of any background stream
-that overlaps the probe. Prints medians per (K, length, mode), auto's choices, and auto's ratio to the best fixed
-mode.
+Starts the app on a Ray cluster of its own. Scenarios:
+- K streams decoding, for each K in `--streams`: K long local streams keep the decode engine decoding (each
+  restarted when it ends); then, `--repeats` times, one probe of each length is sent in each of push, pull, local
+  and auto, interleaved, one at a time (4 output tokens);
+- a burst (`--burst N`, 0 for none): on an idle app, `--repeats` times for each length and each mode, interleaved,
+  N probes of that length sent at once.
+Per probe: its TTFT as the ingress stamps it (`pd_timings`), as the client sees it, and the worst gap between two
+tokens of any background stream that overlaps the probe. Prints medians per (scenario, length, mode), auto's
+choices, and auto's ratio to the best fixed mode.
 """
 
 from __future__ import annotations
@@ -86,22 +89,35 @@ async def probe(client: httpx.AsyncClient, target: Target, mode: str, prompt: li
             "worst_gap_ms": background.worst_gap(started, ended) * 1e3}
 
 
-async def measure(target: Target, streams: list[int], lengths: list[int], repeats: int, rng: random.Random
-                  ) -> list[dict]:
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(100, 4000) for _ in range(length)]
+
+
+async def measure(target: Target, streams: list[int], burst: int, lengths: list[int], repeats: int,
+                  rng: random.Random) -> list[dict]:
     results = []
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=burst + 8)) as client:
         for count in streams:
             background = BackgroundStreams(target, count, 1800)
             await background.start()
             try:
                 for repeat in range(repeats):
                     for length in lengths:
-                        prompt = [rng.randrange(100, 4000) for _ in range(length)]
+                        prompt = random_prompt(rng, length)
                         for mode in rng.sample(MODES, len(MODES)):  # interleaved, in a fresh order each time
                             result = await probe(client, target, mode, prompt, background)
-                            results.append({"streams": count, "length": length, "repeat": repeat, **result})
+                            results.append({"scenario": f"{count} streams", "length": length, "repeat": repeat,
+                                            **result})
             finally:
                 await background.stop()
+        if burst:
+            idle = BackgroundStreams(target, 0, 0)
+            for repeat in range(repeats):
+                for length in lengths:
+                    for mode in rng.sample(MODES, len(MODES)):
+                        probes = [probe(client, target, mode, random_prompt(rng, length), idle) for _ in range(burst)]
+                        results += [{"scenario": f"burst of {burst}", "length": length, "repeat": repeat, **result}
+                                    for result in await asyncio.gather(*probes)]
     return results
 
 
@@ -111,19 +127,19 @@ def median(rows: list[dict], key: str) -> float:
 
 def report(results: list[dict], console: Console) -> str:
     """Prints the table; returns it as markdown."""
-    columns = ["streams", "prompt tokens", *(f"{m} TTFT" for m in MODES), *(f"{m} gap" for m in MODES),
+    columns = ["scenario", "prompt tokens", *(f"{m} TTFT" for m in MODES), *(f"{m} gap" for m in MODES),
                "auto / best TTFT", "auto / best gap", "auto chose"]
     table = Table(*columns, title="probe TTFT p50 (ingress stamp) and the background streams' worst gap p50, ms")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for count in sorted({r["streams"] for r in results}):
+    for scenario in dict.fromkeys(r["scenario"] for r in results):  # in the order measured
         for length in sorted({r["length"] for r in results}):
-            cell = {m: [r for r in results if (r["streams"], r["length"], r["mode"]) == (count, length, m)]
+            cell = {m: [r for r in results if (r["scenario"], r["length"], r["mode"]) == (scenario, length, m)]
                     for m in MODES}
             ttft = {m: median(cell[m], "ttft_ingress_ms") for m in MODES}
             gap = {m: median(cell[m], "worst_gap_ms") for m in MODES}
             best_ttft, best_gap = min(ttft[m] for m in FIXED), min(gap[m] for m in FIXED)
             chose = Counter(r["served"] for r in cell["auto"])
-            row = [str(count), str(length), *(f"{ttft[m]:.0f}" for m in MODES), *(f"{gap[m]:.0f}" for m in MODES),
+            row = [scenario, str(length), *(f"{ttft[m]:.0f}" for m in MODES), *(f"{gap[m]:.0f}" for m in MODES),
                    f"{ttft['auto'] / best_ttft:.2f}x", f"{gap['auto'] / best_gap:.2f}x" if best_gap else "-",
                    ", ".join(f"{m} {n}" for m, n in chose.most_common())]
             table.add_row(*row)
@@ -135,7 +151,8 @@ def report(results: list[dict], console: Console) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/cpu-tiny.yaml")
-    parser.add_argument("--streams", type=int, nargs="+", default=[0, 6, 16])
+    parser.add_argument("--streams", type=int, nargs="*", default=[0, 6, 16])
+    parser.add_argument("--burst", type=int, default=12, help="probes sent at once in the burst scenario; 0: none")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 1900])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -151,8 +168,8 @@ def main() -> None:
     with console.status("starting the app, then measuring"), app_on_own_cluster(config) as url:
         target = Target([url], config.model_id, {"x-pd-timings": "1"})
         rng = random.Random(args.seed)
-        asyncio.run(measure(target, [0], [128], 1, rng))  # warm-up
-        results = asyncio.run(measure(target, args.streams, args.lengths, args.repeats, rng))
+        asyncio.run(measure(target, [0], 0, [128], 1, rng))  # warm-up
+        results = asyncio.run(measure(target, args.streams, args.burst, args.lengths, args.repeats, rng))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
                                    indent=1))

@@ -9,12 +9,13 @@ Systems:
 - `vllm-x2`: two such servers, one per side's cores, behind a round-robin client (what these cores run instead of
   1P1D);
 - `push`, `pull`, `local`: this app, each request in that mode;
+- `auto`: this app, each request in the mode its policy chooses (app/mode_policy.py; the decision mix is reported);
 - `rsllm-pd`: Ray Serve LLM's `build_pd_openai_app` with vLLM's NixlConnector, engines on the same cores.
 
 Workloads: one request at a time at each prompt length (TTFT, second-token gap), then a concurrency sweep over a
 fixed mix of prompt lengths (TTFT, ITL, TPOT, throughput). At one request at a time the systems take turns request by
 request; every system's engines are frozen while another is measured (bench/systems.py says why). The app's KV
-transfer counters must show that every push and pull request moved its prompt's KV.
+transfer counters must show that every request served push or pull moved its prompt's KV.
 
 Writes results.json, results.md and two plots into --out; --update-readme puts results.md into README.md.
 """
@@ -32,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -44,7 +45,8 @@ from bench.load import Sample, Target, percentile, run_concurrent
 from bench.systems import HOST, ROOT, System, VllmServer, engine_processes, rsllm_pd_app, serve_replica_pids, \
     wait_ready
 
-APP_MODES = ("push", "pull", "local")
+APP_MODES = ("push", "pull", "local", "auto")
+SYSTEMS = ("vllm", "vllm-x2", *APP_MODES, "rsllm-pd")  # the order of the report's columns
 LENGTH_MIX = (128, 512, 1024)  # the concurrency sweep's prompt lengths, drawn uniformly
 README_START, README_END = "<!-- bench.peers results: start -->", "<!-- bench.peers results: end -->"
 
@@ -57,16 +59,19 @@ class Bench:
     def __init__(self, systems: dict[str, tuple[System, Target]], output_tokens: int):
         self.systems = systems
         self.output_tokens = output_tokens
-        self.sent: dict[str, list[int]] = defaultdict(list)  # prompt lengths of every request each system got
+        self.served: dict[str, list[int]] = defaultdict(list)  # prompt lengths of the app's requests, by mode served
 
     async def measure(self, name: str, prompts: list[list[int]], concurrency: int) -> tuple[list[Sample], float]:
         system, target = self.systems[name]
-        self.sent[name] += [len(p) for p in prompts]
         system.thaw()
         try:
-            return await run_concurrent(target, prompts, self.output_tokens, concurrency)
+            samples, wall = await run_concurrent(target, prompts, self.output_tokens, concurrency)
         finally:
             system.freeze()
+        for prompt, sample in zip(prompts, samples):
+            if mode := sample.decision.get("mode"):
+                self.served[mode].append(len(prompt))
+        return samples, wall
 
     async def latency_sweep(self, lengths: list[int], repeats: int) -> dict[str, dict[int, list[Sample]]]:
         rng = random.Random(0)
@@ -92,6 +97,8 @@ class Bench:
                 for name in self.systems:
                     samples, wall = await self.measure(name, prompts, c)
                     results[name][c] = concurrency_stats(samples, wall)
+                    if name == "auto":
+                        results[name][c]["decisions"] = Counter(s.decision.get("mode") for s in samples)
                     bar.update()
         return results
 
@@ -132,18 +139,18 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def markdown(results: dict) -> str:
     lat, conc = results["latency"], results["concurrency"]
-    names = [n for n in ("vllm", "vllm-x2", "push", "pull", "local", "rsllm-pd") if n in lat]
+    names = [n for n in SYSTEMS if n in lat]
     lines = [f"Machine: {results['machine']}. Model `{results['model']}`, {results['dtype']}, prefix caching off, "
              f"{results['output_tokens']} output tokens per request, greedy. Run {results['date']} with:",
              "", "```", results["command"], "```", "",
              f"**TTFT p50 (ms), one request at a time** ({results['repeats']} per cell, systems in turn):", ""]
     peers = [p for p in ("vllm", "rsllm-pd") if p in lat]
-    header = ["prompt tokens", *names] + [f"{m} / {p}" for p in peers for m in ("push", "pull", "local") if m in lat]
+    header = ["prompt tokens", *names] + [f"{m} / {p}" for p in peers for m in APP_MODES if m in lat]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for n in results["lengths"]:
         cell = {name: lat[name][str(n)]["ttft_p50"] for name in names}
         row = [str(n), *(f"{cell[name]:.0f}" for name in names)]
-        row += [ratio(cell[m], cell[p]) for p in peers for m in ("push", "pull", "local") if m in lat]
+        row += [ratio(cell[m], cell[p]) for p in peers for m in APP_MODES if m in lat]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "**Gap between first and second token p50 (ms), one request at a time:**", "",
               "| prompt tokens | " + " | ".join(names) + " | push / vllm TPOT | pull / vllm TPOT |",
@@ -153,7 +160,7 @@ def markdown(results: dict) -> str:
         tpot = lat["vllm"][str(n)]["tpot_p50"]
         lines.append(f"| {n} | " + " | ".join(f"{gap[name]:.1f}" for name in names)
                      + f" | {ratio(gap.get('push'), tpot)} | {ratio(gap.get('pull'), tpot)} |")
-    phased = [m for m in ("push", "pull", "local") if m in lat and "phases_p50_ms" in lat[m][str(results["lengths"][0])]]
+    phased = [m for m in APP_MODES if m in lat and "phases_p50_ms" in lat[m][str(results["lengths"][0])]]
     if phased:
         lines += ["", "**Where the app's TTFT goes: median ms per phase** (app/timeline.py; TTFT here is the "
                   "ingress's own stamp, without the HTTP proxy):", ""]
@@ -182,6 +189,18 @@ def markdown(results: dict) -> str:
         lines.append(f"| {c} | {ratio(pull and pull['itl_p99'], x2 and x2['itl_p99'])} | "
                      f"{ratio(pull and pull['throughput_tok_s'], x2 and x2['throughput_tok_s'])} | "
                      f"{ratio(pull and pull['ttft_p50'], rs and rs['ttft_p50'])} |")
+    if "auto" in conc:
+        fixed = [m for m in APP_MODES[:3] if m in conc]
+        lines += ["", "`auto` at each concurrency: its TTFT p50 against the best fixed mode's, and the modes it chose:",
+                  "", "| concurrency | auto TTFT p50 | best fixed mode | auto / best | auto / vllm-x2 | decisions |",
+                  "|---|---|---|---|---|---|"]
+        for c in results["concurrency_levels"]:
+            auto, best = conc["auto"][str(c)], min(fixed, key=lambda m: conc[m][str(c)]["ttft_p50"])
+            x2 = conc.get("vllm-x2", {}).get(str(c))
+            mix = ", ".join(f"{m} {n}" for m, n in sorted(auto["decisions"].items(), key=lambda kv: -kv[1]))
+            lines.append(f"| {c} | {auto['ttft_p50']:.0f} | {best} {conc[best][str(c)]['ttft_p50']:.0f} | "
+                         f"{ratio(auto['ttft_p50'], conc[best][str(c)]['ttft_p50'])} | "
+                         f"{ratio(auto['ttft_p50'], x2 and x2['ttft_p50'])} | {mix} |")
     kv = results["kv_check"]
     lines += ["", f"KV check (the app's engine counters over the whole run): {kv['summary']}", "",
               handoff_weight(results), "",
@@ -221,7 +240,8 @@ def plots(results: dict, out: Path) -> None:
 
 
 def kv_check(before: dict, after: dict, requests: dict[str, list[int]]) -> dict:
-    """Did every disaggregated request move its prompt's KV? From the engines' own counters."""
+    """Did every disaggregated request move its prompt's KV? From the engines' own counters. `requests`: the
+    prompt lengths of the app's requests, by the mode each was served in."""
     def grew(role: str, key: str, group: str) -> int:
         return after[role][group].get(key, 0) - before[role][group].get(key, 0)
 
@@ -302,7 +322,7 @@ def main() -> None:
     plain = [VllmServer(config.prefill, config.prefill.cpu_cores[0], log_dir),
              VllmServer(config.decode, config.decode.cpu_cores[0], log_dir)]
     # Logical CPUs for both apps' engine bundles; the cores they run on are set by core binding.
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     systems: dict[str, tuple[System, Target]] = {}
     try:
         port = free_port(HOST)
@@ -340,7 +360,7 @@ def main() -> None:
         concurrency = asyncio.run(bench.concurrency_sweep(args.concurrency))
         app.thaw()
         time.sleep(3)  # the engines' stats loops report the last steps
-        kv = kv_check(before, totals(), bench.sent)
+        kv = kv_check(before, totals(), bench.served)
     finally:
         for system, _ in systems.values():
             system.thaw()  # a stopped process would not see the shutdown's signals
