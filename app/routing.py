@@ -4,9 +4,11 @@ Each engine replica reports its engine's load (`EngineServer.record_routing_stat
 the engine, share of KV cache in use, prompt tokens queued, streams decoding) every `ROUTING_STATS_PERIOD_S`. The
 router adds the legs this process sent the replica since that report (`load`), so that a burst is not ranked on a
 picture from before it; the ingress's mode policy reads the same loads (app/replica_view.py). The router ranks
-replicas by what Serve cannot see itself: requests waiting inside the engine first (no room in its batch or its KV
-cache), then KV cache in use, in tenths. Among replicas of equal rank, Serve picks the one with the fewest requests
-in flight, its own fresher count of running work. A replica that has not reported yet (just started) ranks as idle.
+replicas by what Serve cannot see itself: requests waiting inside the engine plus streams it is decoding first (a
+new leg waits behind the former and, on a decode engine, its prompt or KV admission stalls the latter; the mode
+policy picks the decode replica it binds in the same order), then KV cache in use, in tenths. Among replicas of
+equal rank, Serve picks the one with the fewest requests in flight, its own fresher count of running work. A
+replica that has not reported yet (just started) ranks as idle.
 
 Every leg is routed when it is dispatched, so the modes bind as they should:
 - pull: the prefill replica on arrival; the decode replica only once prefill is done, by decode's load then;
@@ -39,8 +41,9 @@ SENT_LEG_MAX_AGE_S = 5 * ROUTING_STATS_PERIOD_S
 
 
 def load_rank(stats: dict[str, Any]) -> tuple[int, int]:
-    """Lower ranks first: (requests waiting in the engine, KV cache in use in tenths)."""
-    return int(stats.get("waiting", 0)), round(float(stats.get("kv_cache_usage", 0.0)) * 10)
+    """Lower ranks first: (requests waiting in the engine and streams it is decoding, KV cache in use in tenths)."""
+    return int(stats.get("waiting", 0)) + int(stats.get("decoding", 0)), \
+        round(float(stats.get("kv_cache_usage", 0.0)) * 10)
 
 
 class EngineLoadRouter(FIFOMixin, RequestRouter):

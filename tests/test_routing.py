@@ -33,6 +33,14 @@ def test_waiting_requests_rank_first_then_kv_in_use():
                  replica("light", waiting=0, running=9, kv_cache_usage=0.2)) == [["light"], ["full"], ["queued"]]
 
 
+def test_a_decode_replica_with_fewer_streams_decoding_ranks_first():
+    """A new stream there stalls fewer others; the mode policy binds push and local to the same replica."""
+    assert ranks(replica("streaming", waiting=0, decoding=3, kv_cache_usage=0.1),
+                 replica("quiet", waiting=0, decoding=0, kv_cache_usage=0.1),
+                 replica("queued", waiting=1, decoding=0, kv_cache_usage=0.1)
+                 ) == [["quiet"], ["queued"], ["streaming"]]
+
+
 def test_equal_ranks_are_left_to_serves_count_of_requests_in_flight():
     """Running requests are not ranked on: Serve's own in-flight count, fresher than a report, picks among equals."""
     assert ranks(replica("a", waiting=0, running=5, kv_cache_usage=0.12),
