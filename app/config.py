@@ -97,6 +97,14 @@ class EngineConfig(StrictModel):
         return int(self.engine_kwargs.get("max_num_seqs", SchedulerConfig.DEFAULT_MAX_NUM_SEQS))
 
     @property
+    def prefill_chunk_tokens(self) -> int | None:
+        """The most prompt tokens this engine computes for one request in a step while other requests run (vLLM's
+        `long_prefill_token_threshold`, within `max_num_batched_tokens`); None: a whole prompt in one step."""
+        limits = [int(self.engine_kwargs[key]) for key in ("long_prefill_token_threshold", "max_num_batched_tokens")
+                  if self.engine_kwargs.get(key)]
+        return min(limits, default=None)
+
+    @property
     def world_size(self) -> int:
         """vLLM workers per engine: one per GPU."""
         return (int(self.engine_kwargs.get("tensor_parallel_size", 1))

@@ -93,7 +93,7 @@ class OpenAIIngress:
         self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer, config.ingress.replica_wait_s)
         self.policy = ModePolicy(PolicyConfig(config.transfer.default_mode, config.transfer.modes,
-                                              config.ingress.mode_policy))
+                                              config.ingress.mode_policy, config.decode.prefill_chunk_tokens))
         self.engines = {"prefill": prefill, "decode": decode}
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.
         self.tokenizer = AutoTokenizer.from_pretrained(

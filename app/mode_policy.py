@@ -7,11 +7,12 @@ The cost of each option is two numbers, in seconds:
 - ttft: hop (the option's fixed path cost) + queue (tokens already queued on the engine that prefills, times that
   engine's seconds per token) + prefill (the prompt's tokens, times the same rate) + the hand-off, when the first
   token is not seeded by prefill (it then waits for the KV on decode);
-- stall: what the option makes streams wait. A local prefill on a decode engine holds each of its R running streams
-  for the prefill's extra length, its per-token part (the step's fixed part they would wait for anyway; chunked
-  prefill shares the steps); a hand-off holds them for one admission step. A seeded
-  remote request's own second token waits for its hand-off, counted here too (a seeded request of one token is
-  answered by prefill alone: no stall).
+- stall: the longest gap the option adds between two tokens of any one stream -- what a stream's user sees, and what
+  an inter-token latency SLO bounds, stream by stream. A local prefill on a decode engine holds each of its running
+  streams for the prefill's per-token part (the step's fixed part they would wait for anyway), or, where that engine
+  computes a long prompt in chunks while others run (`decode_chunk_tokens`), for one chunk's; a hand-off holds them
+  for one admission step; a seeded remote request's own second token waits for its hand-off (a seeded request of one
+  token is answered by prefill alone: no stall).
 The option with the lowest `ttft_weight(class) * ttft + stall_weight * stall` wins.
 
 The coefficients start from configuration and are learned from what requests report (`CostModel.observe`): each
@@ -217,6 +218,7 @@ class PolicyConfig:
     policy: Literal["auto", "push", "pull", "local"] = "auto"
     modes: tuple[Mode, ...] = MODES  # the modes the engines serve (local always)
     priors: CostPriors = CostPriors()
+    decode_chunk_tokens: int | None = None  # the most prompt tokens a decode engine computes for one request a step
 
 
 class ModePolicy:
@@ -280,18 +282,19 @@ class ModePolicy:
             if mode == "local":
                 prefill = model.prefill("decode", load_level(best.streams(mode)))
                 ttft = model.hop_s["local"] + decode.queued_prefill_tokens * prefill.s_per_token + prefill(tokens)
-                stall = decode.decoding * tokens * prefill.s_per_token
+                chunk = min(tokens, self.config.decode_chunk_tokens or tokens)
+                stall = chunk * prefill.s_per_token if decode.decoding else 0.0
             elif best.prefill is None:
                 continue
             else:
                 prefill = model.prefill("prefill", load_level(best.streams(mode)))
                 handoff = model.handoff_s(tokens)
                 ttft = model.hop_s[mode] + best.prefill.queued_prefill_tokens * prefill.s_per_token + prefill(tokens)
-                stall = decode.decoding * priors.admit_step_s
+                stall = priors.admit_step_s if decode.decoding else 0.0
                 if request.seeded and request.max_tokens <= 1:
                     stall = 0.0  # answered by prefill alone: no decode leg, no hand-off
                 elif request.seeded:
-                    stall += handoff  # the request's own second token waits for its KV
+                    stall = max(stall, handoff)  # the request's own second token waits for its KV
                 else:
                     ttft += handoff + priors.admit_step_s
             costs[mode] = OptionCost(ttft, stall, weight * ttft + priors.stall_weight * stall)

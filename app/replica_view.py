@@ -34,7 +34,8 @@ class ReplicaView:
     def __init__(self, engines: Mapping[str, DeploymentHandle]):
         self._deployments = {role: (handle.app_name, handle.deployment_name) for role, handle in engines.items()}
         # role -> (when decided, prompt tokens its engine will compute) per leg no replica has taken yet. One that
-        # is never taken (its request failed first) stops counting after routing.SENT_LEG_MAX_AGE_S, as a sent leg does.
+        # is never taken (its request failed first) stops counting after routing.SENT_LEG_MAX_AGE_S, as a sent leg
+        # does.
         self._expected: dict[str, deque[tuple[float, int]]] = {role: deque() for role in engines}
 
     def _router(self, role: str) -> routing.EngineLoadRouter | None:

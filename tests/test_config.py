@@ -145,6 +145,12 @@ def test_the_mode_policys_starting_costs_and_weights_are_configured_and_checked(
     assert "stal_weight" in _invalid(lambda c: c.setdefault("ingress", {}).update(mode_policy={"stal_weight": 1}))
 
 
+def test_the_cpu_decode_engine_prefills_long_prompts_in_chunks():
+    config = PDAppConfig.model_validate(raw_cpu_config())
+    assert config.decode.prefill_chunk_tokens == 256 and config.prefill.prefill_chunk_tokens is None
+    assert config.decode.engine_kwargs["max_model_len"] == config.prefill.engine_kwargs["max_model_len"]
+
+
 def test_backends_have_one_place_in_the_config():
     assert "transfer section" in _invalid(lambda c: c["transfer"].update(
         connector_extra_config={"backends": ["UCX"]}))

@@ -47,23 +47,23 @@ def test_costs_match_the_model_by_hand():
                    decode=[ReplicaLoad("d0", decoding=4, queued_prefill_tokens=1000)])
     costs = policy().costs(request(2000), busy)
     # local: hop 1 ms + (1,000 queued + 2,000) x 1 us; each of decode's 4 streams waits out the 2 ms prefill
-    assert costs["local"].ttft_s == pytest.approx(0.004) and costs["local"].stall_s == pytest.approx(0.008)
-    # pull: hop 2 ms + (3,000 queued + 2,000) x 1 us; seeded, so the hand-off (10 ms) delays its own second token,
-    # and admitting the KV holds decode's 4 streams one 5 ms step
-    assert costs["pull"].ttft_s == pytest.approx(0.007) and costs["pull"].stall_s == pytest.approx(0.030)
-    assert costs["push"].ttft_s == pytest.approx(0.008) and costs["push"].stall_s == pytest.approx(0.030)
-    assert costs["pull"].score == pytest.approx(0.037)
+    assert costs["local"].ttft_s == pytest.approx(0.004) and costs["local"].stall_s == pytest.approx(0.002)
+    # pull: hop 2 ms + (3,000 queued + 2,000) x 1 us; admitting the KV holds decode's streams one 5 ms step, and,
+    # seeded, its own second token waits for the hand-off (10 ms): the longest gap is 10 ms
+    assert costs["pull"].ttft_s == pytest.approx(0.007) and costs["pull"].stall_s == pytest.approx(0.010)
+    assert costs["push"].ttft_s == pytest.approx(0.008) and costs["push"].stall_s == pytest.approx(0.010)
+    assert costs["pull"].score == pytest.approx(0.017)
     unseeded = policy().costs(request(2000, seeded=False), busy)["pull"]  # the first token waits for the KV
     one_token = policy().costs(RequestFeatures(prompt_tokens=2000, max_tokens=1), busy)  # prefill answers alone
-    assert one_token["pull"].stall_s == 0 and one_token["local"].stall_s == pytest.approx(0.008)
-    assert unseeded.ttft_s == pytest.approx(0.007 + 0.010 + 0.005) and unseeded.stall_s == pytest.approx(0.020)
+    assert one_token["pull"].stall_s == 0 and one_token["local"].stall_s == pytest.approx(0.002)
+    assert unseeded.ttft_s == pytest.approx(0.007 + 0.010 + 0.005) and unseeded.stall_s == pytest.approx(0.005)
 
 
 def test_auto_takes_the_lowest_predicted_cost():
     idle = policy().decide(request(100), cluster())
     assert (idle.mode, idle.reason) == ("local", LOWEST_COST)  # no stream to stall, no hand-off to pay
     assert idle.decode_replica == "d0" and set(idle.costs) == {"push", "pull", "local"}
-    # A long prompt onto a decode engine with many streams: every stream would wait for it
+    # A long prompt onto a decode engine with streams decoding: each would wait for all of it
     busy = policy().decide(request(20_000), cluster(decode=[ReplicaLoad("d0", decoding=16)]))
     assert (busy.mode, busy.reason) == ("pull", LOWEST_COST) and busy.decode_replica is None  # bound late
     assert busy.costs["pull"].score < busy.costs["local"].score
@@ -138,6 +138,18 @@ def test_push_a_request_cannot_take_goes_pull():
     assert policy(priors=cheap_push).decide(request(20_000, push_capable=False), busy).mode == "pull"
 
 
+def test_a_decode_engine_that_prefills_in_chunks_holds_its_streams_one_chunk():
+    """Where the decode engine computes a long prompt a chunk a step while streams decode, a stream's longest gap is
+    one chunk's, whatever the prompt's length: the long prompt that went remote above is served local."""
+    busy = cluster(decode=[ReplicaLoad("d0", decoding=16)])
+    chunked = policy(decode_chunk_tokens=256).decide(request(20_000), busy)
+    assert (chunked.mode, chunked.reason) == ("local", LOWEST_COST)
+    assert chunked.costs["local"].stall_s == pytest.approx(256e-6)  # 256 tokens x 1 us
+    assert chunked.costs["local"].ttft_s == pytest.approx(0.021)  # the prompt's time is the same
+    idle = policy(decode_chunk_tokens=256).costs(request(20_000), cluster())["local"]
+    assert idle.stall_s == 0  # no stream to hold
+
+
 def test_only_healthy_replicas_count():
     decision = policy().decide(request(20_000), cluster(
         decode=[ReplicaLoad("d0", decoding=0, healthy=False), ReplicaLoad("d1", decoding=16)]))
@@ -148,8 +160,8 @@ def test_a_batch_request_weighs_its_own_ttft_less():
     # Local is faster for this request, but its prefill stalls decode's streams; an interactive request pays that
     # stall, a batch request (whose TTFT counts a quarter) goes remote.
     busy = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=30_000)], decode=[ReplicaLoad("d0", decoding=2)])
-    assert policy().decide(request(20_000), busy).mode == "local"  # 21 + 40 ms against pull's 52 + 20
-    assert policy().decide(request(20_000, qos_class="batch"), busy).mode == "pull"  # 5 + 40 ms against 13 + 20
+    assert policy().decide(request(20_000), busy).mode == "local"  # 21 + 20 ms against pull's 52 + 10
+    assert policy().decide(request(20_000, qos_class="batch"), busy).mode == "pull"  # 5 + 20 ms against 13 + 10
 
 
 def test_the_prefill_rate_is_learned_per_load_level():
@@ -174,7 +186,7 @@ def test_a_steps_fixed_cost_is_told_from_the_prompts_and_stalls_no_stream():
     assert (fitted.step_s, fitted.s_per_token) == (pytest.approx(0.04), pytest.approx(1e-4))
     busy = cluster(decode=[ReplicaLoad("d0", decoding=6)])
     local = learner.costs(request(128), busy)["local"]
-    assert local.ttft_s == pytest.approx(0.001 + 0.04 + 0.0128) and local.stall_s == pytest.approx(6 * 0.0128)
+    assert local.ttft_s == pytest.approx(0.001 + 0.04 + 0.0128) and local.stall_s == pytest.approx(0.0128)
     learner.model.observe(Observation("pull", prompt_tokens=500, decoding=0, prefill_s=0.05))
     alike = learner.model.prefill("prefill", 0)  # one length seen: no step to tell apart, the line goes through 0
     assert (alike.step_s, alike.s_per_token) == (0.0, pytest.approx(1e-4))
