@@ -1,0 +1,187 @@
+"""Where the serving stack's CPU goes while streams flow, process by process and thread by thread, beside the gaps
+between tokens that the client sees; and what the stack burns once it is idle.
+
+    python -m bench.stack_cpu [--config configs/cpu-tiny.yaml] [--modes push pull local] [--concurrency 1 16]
+                              [--requests 12] [--tokens 150] [--prompt-tokens 128] [--idle-after 60]
+                              [--idle-window 30] [--out bench/results/stack_cpu.json]
+
+Starts the app on a Ray cluster of its own, so every process of the stack (Ray's own, Serve's controller and proxy,
+the ingress and engine replicas, their vLLM engine processes) descends from this one, which is also the client.
+For each concurrency and mode, sends `--requests` streaming requests (at least one per concurrent slot), that many
+at a time, and reads every thread's CPU time (/proc/PID/task/TID/stat, through psutil) before and after. Prints,
+per cell: the client-seen gaps (p99, each request's worst gap p50 / max, requests with a gap over 100 ms), TTFT
+as the client saw it and as the ingress stamped it, and each process role's CPU as a share of one core over the
+cell's wall time, with its busiest threads. Last, the idle stack: CPU per role over `--idle-window` seconds,
+starting `--idle-after` seconds after the last request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import statistics
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from bench.load import Target, percentile, run_concurrent
+from bench.peers import random_prompt
+from bench.systems import app_on_own_cluster
+
+CLIENT = "client (this process)"
+STALL_MS = 100
+
+
+def role(proc: psutil.Process, me: int) -> str:
+    """What a process of the stack is: Ray sets a worker's title to `ray::<actor class>[.<method running>]`, Serve
+    names replicas `ServeReplica:<app>:<deployment>`, vLLM names its engine processes `VLLM::...`, below the
+    replica that owns them."""
+    if proc.pid == me:
+        return CLIENT
+    title = " ".join(proc.cmdline()) or proc.name()
+    if title.startswith("VLLM::"):
+        parent = proc.parent()
+        owner = role(parent, me) if parent is not None and parent.pid != me else "?"
+        return f"{owner} > {title.split()[0]}"
+    if title.startswith("ray::"):
+        return title.split()[0].split(".")[0].removeprefix("ray::")
+    for known in ("gcs_server", "raylet", "dashboard", "log_monitor", "runtime_env", "monitor.py"):
+        if known in title:
+            return f"ray {known.removesuffix('.py')}"
+    return proc.name()
+
+
+def thread_times() -> dict[tuple[int, int], tuple[str, str, float]]:
+    """(pid, tid) -> (process role, thread name, CPU seconds so far) for this process and all below it."""
+    me = psutil.Process()
+    times = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            label = role(proc, me.pid)
+            for thread in proc.threads():
+                try:
+                    with open(f"/proc/{proc.pid}/task/{thread.id}/comm") as comm:
+                        # A process's first thread carries the process's title (Ray's `ray::IDLE`): call it main.
+                        name = "main" if thread.id == proc.pid else comm.read().strip()
+                except OSError:
+                    continue  # the thread ended
+                times[proc.pid, thread.id] = (label, name, thread.user_time + thread.system_time)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return times
+
+
+def cpu_use(before: dict, after: dict, wall_s: float) -> dict[str, dict]:
+    """Per role: its share of one core over `wall_s`, and its threads' shares (threads of one name summed)."""
+    roles: dict[str, dict] = defaultdict(lambda: {"core_pct": 0.0, "threads": Counter()})
+    for key, (label, name, seconds) in after.items():
+        used = seconds - before.get(key, (label, name, 0.0))[2]
+        if used > 0:
+            roles[label]["core_pct"] += 100 * used / wall_s
+            roles[label]["threads"][name] += 100 * used / wall_s
+    return {label: {"core_pct": use["core_pct"], "threads": dict(use["threads"].most_common())}
+            for label, use in sorted(roles.items(), key=lambda item: -item[1]["core_pct"])}
+
+
+async def cell(target: Target, mode: str, concurrency: int, requests: int, tokens: int, prompt_tokens: int,
+               rng: random.Random) -> dict:
+    moded = Target(target.urls, target.model, {**target.headers, "x-kv-transfer-mode": mode})
+    prompts = [random_prompt(rng, prompt_tokens) for _ in range(max(requests, concurrency))]
+    before, started = thread_times(), time.perf_counter()
+    samples, _ = await run_concurrent(moded, prompts, tokens, concurrency)
+    wall_s = time.perf_counter() - started
+    cpu = cpu_use(before, thread_times(), wall_s)
+    gaps = [gap * 1e3 for sample in samples for gap in sample.itls]
+    worst = [max(sample.itls) * 1e3 for sample in samples]
+    return {"mode": mode, "concurrency": concurrency, "requests": len(samples), "wall_s": wall_s,
+            "gap_p99_ms": percentile(gaps, 99), "worst_gap_p50_ms": statistics.median(worst),
+            "worst_gap_max_ms": max(worst), "stalled_requests": sum(w > STALL_MS for w in worst),
+            "ttft_client_p50_ms": statistics.median(s.ttft * 1e3 for s in samples),
+            "ttft_ingress_p50_ms": statistics.median(s.phases_ms.get("ttft", float("nan")) for s in samples),
+            "cpu": cpu}
+
+
+def idle_use(after_s: float, window_s: float) -> dict:
+    time.sleep(after_s)
+    before, started = thread_times(), time.perf_counter()
+    time.sleep(window_s)
+    wall_s = time.perf_counter() - started
+    cpu = cpu_use(before, thread_times(), wall_s)
+    cpu.pop(CLIENT, None)  # the client sleeps; its Ray driver threads are the stack's, but not what serves
+    return {"after_s": after_s, "window_s": window_s, "stack_core_pct": sum(r["core_pct"] for r in cpu.values()),
+            "cpu": cpu}
+
+
+def report(cells: list[dict], idle: dict | None, console: Console) -> None:
+    gaps = Table(title="client-seen stream (ms)")
+    for column in ("concurrency", "mode", "requests", "gap p99", "worst gap p50", "worst gap max",
+                   f"requests with a gap > {STALL_MS}", "TTFT client p50", "TTFT ingress p50"):
+        gaps.add_column(column, justify="right")
+    for c in cells:
+        gaps.add_row(str(c["concurrency"]), c["mode"], str(c["requests"]), f"{c['gap_p99_ms']:.0f}",
+                     f"{c['worst_gap_p50_ms']:.0f}", f"{c['worst_gap_max_ms']:.0f}", str(c["stalled_requests"]),
+                     f"{c['ttft_client_p50_ms']:.0f}", f"{c['ttft_ingress_p50_ms']:.0f}")
+    console.print(gaps)
+    for c in cells:
+        console.print(cpu_table(f"CPU, % of one core: {c['mode']} at concurrency {c['concurrency']}, "
+                                f"{c['wall_s']:.1f} s", c["cpu"]))
+    if idle is not None:
+        console.print(cpu_table(f"CPU of the idle stack, % of one core: {idle['window_s']:.0f} s from "
+                                f"{idle['after_s']:.0f} s after the last request, "
+                                f"{idle['stack_core_pct']:.1f}% in all", idle["cpu"]))
+
+
+def cpu_table(title: str, cpu: dict[str, dict], threads: int = 4, floor_pct: float = 0.5) -> Table:
+    table = Table(title=title)
+    table.add_column("process")
+    table.add_column("% core", justify="right")
+    table.add_column("busiest threads (% core)")
+    for label, use in cpu.items():
+        if use["core_pct"] >= floor_pct:
+            busiest = ", ".join(f"{name} {pct:.1f}" for name, pct in list(use["threads"].items())[:threads])
+            table.add_row(label, f"{use['core_pct']:.1f}", busiest)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/cpu-tiny.yaml")
+    parser.add_argument("--modes", nargs="+", default=["push", "pull", "local"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=150)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--idle-after", type=float, default=60, help="seconds; negative: no idle measurement")
+    parser.add_argument("--idle-window", type=float, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/stack_cpu.json"))
+    args = parser.parse_args()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    from app.builder import resolve_config_path
+    from app.config import load_config
+
+    config = load_config(resolve_config_path(args.config))
+    console = Console(width=160)
+    rng = random.Random(args.seed)
+    with console.status("starting the app, then measuring"), app_on_own_cluster(config) as url:
+        target = Target([url], config.model_id, {"x-pd-timings": "1"})
+        asyncio.run(cell(target, "local", 1, 1, 8, args.prompt_tokens, rng))  # warm-up
+        cells = [asyncio.run(cell(target, mode, concurrency, args.requests, args.tokens, args.prompt_tokens, rng))
+                 for concurrency in args.concurrency for mode in args.modes]
+        idle = idle_use(args.idle_after, args.idle_window) if args.idle_after >= 0 else None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells,
+                                    "idle": idle}, indent=1))
+    report(cells, idle, console)
+
+
+if __name__ == "__main__":
+    main()
