@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import Target, percentile, send
-from bench.systems import app_on_own_cluster
+from bench.systems import app_on_own_cluster, bench_config
 
 MODES = ("push", "pull", "local", "auto")
 
@@ -80,10 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
-    from app.builder import resolve_config_path
-    from app.config import load_config
-
-    config = load_config(resolve_config_path(args.config))
+    config = bench_config(args.config)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 4000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     console = Console(width=120)

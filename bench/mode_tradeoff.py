@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import Target, send
-from bench.systems import app_on_own_cluster
+from bench.systems import app_on_own_cluster, bench_config
 
 MODES = ("push", "pull", "local", "auto")
 FIXED = MODES[:3]
@@ -160,10 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
-    from app.builder import resolve_config_path
-    from app.config import load_config
-
-    config = load_config(resolve_config_path(args.config))
+    config = bench_config(args.config)
     console = Console(width=160)
     with console.status("starting the app, then measuring"), app_on_own_cluster(config) as url:
         target = Target([url], config.model_id, {"x-pd-timings": "1"})

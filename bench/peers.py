@@ -42,8 +42,8 @@ from rich.console import Console
 from tqdm import tqdm
 
 from bench.load import Sample, Target, percentile, run_concurrent
-from bench.systems import HOST, ROOT, System, VllmServer, engine_processes, rsllm_pd_app, serve_replica_pids, \
-    wait_ready
+from bench.systems import HOST, ROOT, System, VllmServer, bench_config, engine_processes, rsllm_pd_app, \
+    serve_replica_pids, wait_ready
 
 APP_MODES = ("push", "pull", "local", "auto")
 SYSTEMS = ("vllm", "vllm-x2", *APP_MODES, "rsllm-pd")  # the order of the report's columns
@@ -310,11 +310,10 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from app.builder import build_pd_app, resolve_config_path
-    from app.config import load_config
+    from app.builder import build_pd_app
     from kv.engine_identity import free_port
 
-    config = load_config(resolve_config_path(args.config))
+    config = bench_config(args.config)
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-peers-"))

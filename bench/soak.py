@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from bench.systems import ROOT, engine_processes, serve_actor_pids
+from bench.systems import ROOT, bench_config, engine_processes, serve_actor_pids
 
 ROLES = ("prefill", "decode")
 MODES = ("push", "pull", "local")
@@ -162,11 +162,10 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from app.builder import build_pd_app, resolve_config_path
-    from app.config import load_config
+    from app.builder import build_pd_app
     from kv.engine_identity import free_port
 
-    config = load_config(resolve_config_path(args.config))
+    config = bench_config(args.config)
     console = Console()
     ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:

@@ -33,7 +33,7 @@ from rich.table import Table
 
 from bench.load import Target, percentile, run_concurrent
 from bench.peers import random_prompt
-from bench.systems import app_on_own_cluster
+from bench.systems import app_on_own_cluster, bench_config
 
 CLIENT = "client (this process)"
 STALL_MS = 100
@@ -165,10 +165,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
-    from app.builder import resolve_config_path
-    from app.config import load_config
-
-    config = load_config(resolve_config_path(args.config))
+    config = bench_config(args.config)
     console = Console(width=160)
     rng = random.Random(args.seed)
     with console.status("starting the app, then measuring"), app_on_own_cluster(config) as url:

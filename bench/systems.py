@@ -148,6 +148,14 @@ def serve_replica_pids(app_name: str) -> list[int]:
     return list(serve_actor_pids(f"SERVE_REPLICA::{app_name}#").values())
 
 
+def bench_config(path: str) -> PDAppConfig:
+    """A benchmark's `--config`: a preset's path or a file, read as `serve run` reads it."""
+    from app.builder import resolve_config_path
+    from app.config import load_config
+
+    return load_config(resolve_config_path(path))
+
+
 @contextlib.contextmanager
 def app_on_own_cluster(config: PDAppConfig) -> Iterator[str]:
     """The app from `config` as Serve application `pd` on a Ray cluster of its own (a logical CPU per engine
