@@ -3,13 +3,15 @@ between tokens that the client sees; and what the stack burns once it is idle.
 
     python -m bench.stack_cpu [--config configs/cpu-tiny.yaml] [--modes push pull local] [--concurrency 1 16]
                               [--requests 12] [--tokens 150] [--prompt-tokens 128] [--idle-after 60]
-                              [--idle-window 30] [--out bench/results/stack_cpu.json]
+                              [--idle-window 30] [--no-vllm] [--out bench/results/stack_cpu.json]
 
-Starts the app on a Ray cluster of its own, so every process of the stack (Ray's own, Serve's controller and proxy,
-the ingress and engine replicas, their vLLM engine processes) descends from this one, which is also the client.
-For each concurrency and mode, sends `--requests` streaming requests (at least one per concurrent slot), that many
-at a time, and reads every thread's CPU time (/proc/PID/task/TID/stat, through psutil) before and after. Prints,
-per cell: the client-seen gaps (p99, each request's worst gap p50 / max, requests with a gap over 100 ms), TTFT
+Starts vLLM's own OpenAI server (one engine doing prefill and decode, on the decode engine's core: `vllm`), then
+the app on a Ray cluster of its own, so every process of both stacks (Ray's own, Serve's controller and proxy, the
+ingress and engine replicas, the vLLM engine processes) descends from this one, which is also the client. While
+one system is measured, the other's engine processes are stopped (SIGSTOP), as in bench.peers. For each
+concurrency and system (plain vLLM, then the app in each mode), sends `--requests` streaming requests (at least one
+per concurrent slot), that many at a time, and reads every thread's CPU time (/proc/PID/task/TID/stat, through
+psutil) before and after. Prints, per cell: the client-seen gaps (p99, each request's worst gap p50 / max, requests with a gap over 100 ms), TTFT
 as the client saw it and as the ingress stamped it, and each process role's CPU as a share of one core over the
 cell's wall time, with its busiest threads. Last, the idle stack: CPU per role over `--idle-window` seconds,
 starting `--idle-after` seconds after the last request.
@@ -23,6 +25,7 @@ import json
 import logging
 import random
 import statistics
+import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -33,7 +36,7 @@ from rich.table import Table
 
 from bench.load import Target, percentile, run_concurrent
 from bench.peers import random_prompt
-from bench.systems import app_on_own_cluster, bench_config
+from bench.systems import System, VllmServer, app_on_own_cluster, bench_config, wait_ready
 
 CLIENT = "client (this process)"
 STALL_MS = 100
@@ -50,6 +53,8 @@ def role(proc: psutil.Process, me: int) -> str:
         parent = proc.parent()
         owner = role(parent, me) if parent is not None and parent.pid != me else "?"
         return f"{owner} > {title.split()[0]}"
+    if "bench.vllm_cli" in title:
+        return "plain vLLM server"
     if title.startswith("ray::"):
         return title.split()[0].split(".")[0].removeprefix("ray::")
     for known in ("gcs_server", "raylet", "dashboard", "log_monitor", "runtime_env", "monitor.py"):
@@ -90,17 +95,16 @@ def cpu_use(before: dict, after: dict, wall_s: float) -> dict[str, dict]:
             for label, use in sorted(roles.items(), key=lambda item: -item[1]["core_pct"])}
 
 
-async def cell(target: Target, mode: str, concurrency: int, requests: int, tokens: int, prompt_tokens: int,
+async def cell(target: Target, system: str, concurrency: int, requests: int, tokens: int, prompt_tokens: int,
                rng: random.Random) -> dict:
-    moded = Target(target.urls, target.model, {**target.headers, "x-kv-transfer-mode": mode})
     prompts = [random_prompt(rng, prompt_tokens) for _ in range(max(requests, concurrency))]
     before, started = thread_times(), time.perf_counter()
-    samples, _ = await run_concurrent(moded, prompts, tokens, concurrency)
+    samples, _ = await run_concurrent(target, prompts, tokens, concurrency)
     wall_s = time.perf_counter() - started
     cpu = cpu_use(before, thread_times(), wall_s)
     gaps = [gap * 1e3 for sample in samples for gap in sample.itls]
     worst = [max(sample.itls) * 1e3 for sample in samples]
-    return {"mode": mode, "concurrency": concurrency, "requests": len(samples), "wall_s": wall_s,
+    return {"system": system, "concurrency": concurrency, "requests": len(samples), "wall_s": wall_s,
             "gap_p99_ms": percentile(gaps, 99), "worst_gap_p50_ms": statistics.median(worst),
             "worst_gap_max_ms": max(worst), "stalled_requests": sum(w > STALL_MS for w in worst),
             "ttft_client_p50_ms": statistics.median(s.ttft * 1e3 for s in samples),
@@ -114,23 +118,24 @@ def idle_use(after_s: float, window_s: float) -> dict:
     time.sleep(window_s)
     wall_s = time.perf_counter() - started
     cpu = cpu_use(before, thread_times(), wall_s)
-    cpu.pop(CLIENT, None)  # the client sleeps; its Ray driver threads are the stack's, but not what serves
+    for other in [CLIENT, *(label for label in cpu if label.startswith("plain vLLM"))]:
+        cpu.pop(other, None)  # the client sleeps, and plain vLLM is not the app's stack
     return {"after_s": after_s, "window_s": window_s, "stack_core_pct": sum(r["core_pct"] for r in cpu.values()),
             "cpu": cpu}
 
 
 def report(cells: list[dict], idle: dict | None, console: Console) -> None:
     gaps = Table(title="client-seen stream (ms)")
-    for column in ("concurrency", "mode", "requests", "gap p99", "worst gap p50", "worst gap max",
+    for column in ("concurrency", "system", "requests", "gap p99", "worst gap p50", "worst gap max",
                    f"requests with a gap > {STALL_MS}", "TTFT client p50", "TTFT ingress p50"):
         gaps.add_column(column, justify="right")
     for c in cells:
-        gaps.add_row(str(c["concurrency"]), c["mode"], str(c["requests"]), f"{c['gap_p99_ms']:.0f}",
+        gaps.add_row(str(c["concurrency"]), c["system"], str(c["requests"]), f"{c['gap_p99_ms']:.0f}",
                      f"{c['worst_gap_p50_ms']:.0f}", f"{c['worst_gap_max_ms']:.0f}", str(c["stalled_requests"]),
                      f"{c['ttft_client_p50_ms']:.0f}", f"{c['ttft_ingress_p50_ms']:.0f}")
     console.print(gaps)
     for c in cells:
-        console.print(cpu_table(f"CPU, % of one core: {c['mode']} at concurrency {c['concurrency']}, "
+        console.print(cpu_table(f"CPU, % of one core: {c['system']} at concurrency {c['concurrency']}, "
                                 f"{c['wall_s']:.1f} s", c["cpu"]))
     if idle is not None:
         console.print(cpu_table(f"CPU of the idle stack, % of one core: {idle['window_s']:.0f} s from "
@@ -160,6 +165,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--idle-after", type=float, default=60, help="seconds; negative: no idle measurement")
     parser.add_argument("--idle-window", type=float, default=30)
+    parser.add_argument("--no-vllm", action="store_true", help="leave plain vLLM out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/stack_cpu.json"))
     args = parser.parse_args()
@@ -168,12 +174,35 @@ def main() -> None:
     config = bench_config(args.config)
     console = Console(width=160)
     rng = random.Random(args.seed)
-    with console.status("starting the app, then measuring"), app_on_own_cluster(config) as url:
-        target = Target([url], config.model_id, {"x-pd-timings": "1"})
-        asyncio.run(cell(target, "local", 1, 1, 8, args.prompt_tokens, rng))  # warm-up
-        cells = [asyncio.run(cell(target, mode, concurrency, args.requests, args.tokens, args.prompt_tokens, rng))
-                 for concurrency in args.concurrency for mode in args.modes]
-        idle = idle_use(args.idle_after, args.idle_window) if args.idle_after >= 0 else None
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-stack-cpu-"))
+    with console.status("starting the app and plain vLLM, then measuring"), app_on_own_cluster(config) as url:
+        app = System("app", [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")])
+        systems = {mode: (app, Target([url], config.model_id, {"x-pd-timings": "1", "x-kv-transfer-mode": mode}))
+                   for mode in args.modes}
+        plain = None
+        try:
+            if not args.no_vllm:
+                app.freeze()  # the app's engines are up: a stopped one holds nothing the plain server needs
+                plain = VllmServer(config.decode, config.decode.cpu_cores[0], log_dir)
+                wait_ready(plain.url)
+                systems = {"vllm": (System("vllm", plain.engines()), Target([plain.url], config.model_id)),
+                           **systems}
+            cells = []
+            for concurrency in args.concurrency:
+                for name, (system, target) in systems.items():
+                    for other, _ in systems.values():
+                        (other.thaw if other is system else other.freeze)()
+                    asyncio.run(cell(target, name, 1, 1, 8, args.prompt_tokens, rng))  # warm-up, not kept
+                    cells.append(asyncio.run(cell(target, name, concurrency, args.requests, args.tokens,
+                                                  args.prompt_tokens, rng)))
+            app.thaw()
+            if plain is not None:
+                systems["vllm"][0].freeze()
+            idle = idle_use(args.idle_after, args.idle_window) if args.idle_after >= 0 else None
+        finally:
+            app.thaw()
+            if plain is not None:
+                plain.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells,
                                     "idle": idle}, indent=1))
