@@ -50,6 +50,10 @@ class EngineChunk:
     num_cached_tokens: int = 0
     # First chunk only: when the engine queued, scheduled and produced the request's first token (wall clock, s).
     engine_events: dict[str, float] = field(default_factory=dict)
+    # When the engine's step made the chunk's last token, and when its replica passed the chunk on (wall clock, s):
+    # with the ingress's and the client's stamps they tell which hop held a stream up (bench/stack_cpu.py).
+    made_at: float = 0.0
+    sent_at: float = 0.0
 
 
 @dataclass

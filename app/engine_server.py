@@ -119,21 +119,29 @@ class EngineServer:
             self.requests.ended(request.request_id)
 
 
+def _to_wall() -> float:
+    """What to add to a monotonic stamp to put it on the wall clock. vLLM stamps a request's events in its
+    engine-core process with the monotonic clock, which every process on a node shares."""
+    return time.time() - time.monotonic()
+
+
 def engine_events(output) -> dict[str, float]:
-    """When the engine queued, first scheduled and first sampled for this request, on the wall clock. vLLM stamps
-    these in its engine-core process with the monotonic clock, which every process on a node shares."""
+    """When the engine queued, first scheduled and first sampled for this request, on the wall clock."""
     stats = output.metrics
     if stats is None:
         return {}
-    to_wall = time.time() - time.monotonic()
+    to_wall = _to_wall()
     stamps = {"queued": stats.queued_ts, "scheduled": stats.scheduled_ts, "first_token": stats.first_token_ts}
     return {event: ts + to_wall for event, ts in stamps.items() if ts}
 
 
 def engine_chunk(output) -> EngineChunk:
     completion = output.outputs[0]
+    # The step that made the chunk's last token (several steps' tokens merge when the replica reads late).
+    made = output.metrics.last_token_ts + _to_wall() if output.metrics is not None else 0.0
     return EngineChunk(text=completion.text, token_ids=list(completion.token_ids),
-                       finish_reason=completion.finish_reason, num_cached_tokens=output.num_cached_tokens or 0)
+                       finish_reason=completion.finish_reason, num_cached_tokens=output.num_cached_tokens or 0,
+                       made_at=made)
 
 
 class PrefillServer(EngineServer):
@@ -153,7 +161,7 @@ class PrefillServer(EngineServer):
         finally:
             computed.cancel()  # the caller went away: abort the prefill (a no-op once it is done)
         first = engine_chunk(final)
-        first.engine_events = engine_events(final)
+        first.engine_events, first.sent_at = engine_events(final), time.time()
         yield PrefillResult(final.kv_transfer_params, first)
 
     async def _last_output(self, request: EngineRequest):
@@ -177,4 +185,5 @@ class DecodeServer(EngineServer):
             chunk = engine_chunk(output)
             if first:
                 chunk.engine_events, first = engine_events(output), False
+            chunk.sent_at = time.time()
             yield chunk

@@ -8,6 +8,7 @@ import hmac
 import json
 import os
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncGenerator, AsyncIterator, Literal
@@ -23,7 +24,7 @@ from transformers import AutoTokenizer
 from app.config import PDAppConfig
 from app.engine_protocol import EngineChunk, EngineRequest
 from app.first_token import can_seed
-from app.ingress_metrics import IngressMetrics
+from app.ingress_metrics import EventLoopLag, IngressMetrics
 from app.mode_policy import Decision, ModePolicy, Observation, PolicyConfig, RequestFeatures
 from app.openai_protocol import (
     APIError,
@@ -104,6 +105,7 @@ class OpenAIIngress:
         # times that cannot fit, and is refused before anyone spends time tokenizing it.
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
         self.metrics = IngressMetrics()
+        self.loop_lag = EventLoopLag(busy=lambda: self.metrics.in_flight > 0)
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(routes=[
@@ -163,6 +165,11 @@ class OpenAIIngress:
         return JSONResponse(await self._whole(admitted), headers=headers)
 
     # -- Python handle API: for other Serve apps and Ray tasks (`serve.get_app_handle(...)`; README) ---------------
+
+    def event_loop_lag(self) -> dict[str, float]:
+        """How late this replica's event loop ran due tasks while requests were in flight, since the last call
+        (app/ingress_metrics.py EventLoopLag; bench/stack_cpu.py reads it)."""
+        return self.loop_lag.summary()
 
     def transfer_modes(self) -> dict:
         """The modes this app serves and the one a request without a mode gets."""
@@ -320,6 +327,7 @@ class OpenAIIngress:
         this ends (finished, failed, timed out, the caller gone), the request's legs are aborted then."""
         outcome = "cancelled"  # unless it gets further than the caller did
         self.metrics.started(admitted.mode)
+        self.loop_lag.watch()
         try:
             async with asyncio.timeout(self.timeout_s):
                 async for chunk in admitted.chunks:
@@ -396,19 +404,26 @@ class Admitted:
 
 
 class RequestOutput:
-    """What one request has produced so far, and the stamps of its first tokens going out."""
+    """What one request has produced so far, and the stamps of its first tokens going out; with timings asked
+    for, every chunk's stamps too."""
 
     def __init__(self, num_prompt_tokens: int, timeline: RequestTimeline, report_timings: bool):
         self.num_prompt_tokens, self.timeline, self.report_timings = num_prompt_tokens, timeline, report_timings
         self.text, self.token_ids, self.finish_reason, self.num_cached_tokens = "", [], None, 0
+        # Per chunk with tokens: when the engine made it, its replica sent it and the ingress got it (wall clock).
+        self.chunk_stamps: list[tuple[float, float, float]] = []
 
     def add(self, chunk: EngineChunk) -> None:
         if chunk.token_ids:
             self.timeline.mark("second_token_sent" if self.token_ids else "first_token_sent")
+            if self.report_timings:
+                self.chunk_stamps.append((chunk.made_at, chunk.sent_at, time.time()))
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
 
     def timings(self) -> dict:
-        return {"pd_timings": self.timeline.report()} if self.report_timings else {}
+        if not self.report_timings:
+            return {}
+        return {"pd_timings": {**self.timeline.report(), "chunks_s": self.chunk_stamps}}

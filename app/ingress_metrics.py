@@ -8,8 +8,9 @@ no other could take it: 503 or an error event), `error` (an engine failed it), `
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 
 from ray.util import metrics
 
@@ -49,6 +50,10 @@ class IngressMetrics:
             "pd_requests_in_flight", description="Requests started and not yet ended, by mode.", tag_keys=by_mode)
         self._in_flight: Counter[str] = Counter()
 
+    @property
+    def in_flight(self) -> int:
+        return sum(self._in_flight.values())
+
     def refused(self, status: int) -> None:
         self.requests.inc(tags={"mode": NOT_STARTED, "outcome": refusal_outcome(status), "reason": NOT_STARTED})
 
@@ -72,3 +77,40 @@ class IngressMetrics:
             if num_output_tokens > 1:
                 per_token = (now - events["first_token_sent"]) / (num_output_tokens - 1)
                 self.output_token_seconds.observe(per_token, tags={"mode": mode})
+
+
+class EventLoopLag:
+    """How late the ingress's event loop runs what is due: every chunk of every stream waits that long before it
+    goes on. Sampled every `interval_s` while requests are in flight (an idle ingress does not wake for it); each
+    sample goes to a histogram, and the recent ones to `summary()`."""
+
+    def __init__(self, busy, interval_s: float = 0.01, keep: int = 100_000):
+        self.busy, self.interval_s = busy, interval_s
+        self.histogram = metrics.Histogram(
+            "pd_ingress_event_loop_lag_seconds", description="How late the ingress's event loop woke a task that was "
+            f"due (sampled every {interval_s * 1e3:g} ms while requests are in flight).", boundaries=TOKEN_SECONDS)
+        self.recent: deque[float] = deque(maxlen=keep)
+        self._task: asyncio.Task | None = None
+
+    def watch(self) -> None:
+        """Sample from now until nothing is in flight; a no-op while sampling already."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._sample())
+
+    async def _sample(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.busy():
+            due = loop.time() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            lag = max(0.0, loop.time() - due)
+            self.histogram.observe(lag)
+            self.recent.append(lag)
+
+    def summary(self) -> dict[str, float]:
+        """The samples since the last summary, in milliseconds: how many, median, p99, worst; then forgets them."""
+        lags = sorted(self.recent)
+        self.recent.clear()
+        if not lags:
+            return {"samples": 0}
+        at = lambda q: lags[min(len(lags) - 1, int(q * len(lags)))] * 1e3  # noqa: E731
+        return {"samples": len(lags), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": lags[-1] * 1e3}

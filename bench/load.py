@@ -33,6 +33,10 @@ class Sample:
     phases_ms: dict[str, float] = field(default_factory=dict)  # the app's timeline, when asked for
     replicas: dict[str, str] = field(default_factory=dict)  # the app's replica that served each leg, likewise
     decision: dict = field(default_factory=dict)  # the app's mode decision (mode, reason, predicted costs), likewise
+    # Per chunk with tokens: the app's stamps (engine made, replica sent, ingress got), likewise, and when the
+    # client got it; all on the wall clock.
+    chunk_stamps: list[list[float]] = field(default_factory=list)
+    chunk_arrivals: list[float] = field(default_factory=list)
 
     @property
     def itls(self) -> list[float]:
@@ -49,7 +53,7 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: list[int], max
     body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     start = time.perf_counter()
-    times, timings = [], {}
+    times, arrivals, timings = [], [], {}
     async with client.stream("POST", target.next_url() + "/v1/completions", json=body,
                              headers=target.headers) as response:
         response.raise_for_status()
@@ -65,10 +69,12 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: list[int], max
                 # One chunk may carry several tokens; each counts as arriving now.
                 n = len(choice.get("token_ids") or ()) or (1 if choice.get("text") else 0)
                 times += [time.perf_counter() - start] * n
+                if n:
+                    arrivals.append(time.time())
     if len(times) != max_tokens:
         raise RuntimeError(f"expected {max_tokens} tokens, got {len(times)}")
     return Sample(times[0], times, timings.get("phases_ms", {}), timings.get("replicas", {}),
-                  timings.get("decision", {}))
+                  timings.get("decision", {}), timings.get("chunks_s", []), arrivals)
 
 
 async def run_concurrent(target: Target, prompts: list[list[int]], max_tokens: int, concurrency: int

@@ -12,8 +12,10 @@ one system is measured, the other's engine processes are stopped (SIGSTOP), as i
 concurrency and system (plain vLLM, then the app in each mode), sends `--requests` streaming requests (at least one
 per concurrent slot), that many at a time, and reads every thread's CPU time (/proc/PID/task/TID/stat, through
 psutil) before and after. Prints, per cell: the client-seen gaps (p99, each request's worst gap p50 / max, requests with a gap over 100 ms), TTFT
-as the client saw it and as the ingress stamped it, and each process role's CPU as a share of one core over the
-cell's wall time, with its busiest threads. Last, the idle stack: CPU per role over `--idle-window` seconds,
+as the client saw it and as the ingress stamped it; for the app, where each gap of 50 ms or more came from (the
+engine's steps, the decode replica, Serve's hop to the ingress, or the way from the ingress to the client, from
+stamps the app reports per chunk) and how late the ingress's event loop ran; and each process role's CPU as a
+share of one core over the cell's wall time, with its busiest threads. Last, the idle stack: CPU per role over `--idle-window` seconds,
 starting `--idle-after` seconds after the last request.
 """
 
@@ -31,6 +33,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import psutil
+from ray import serve
 from rich.console import Console
 from rich.table import Table
 
@@ -40,6 +43,9 @@ from bench.systems import System, VllmServer, app_on_own_cluster, bench_config, 
 
 CLIENT = "client (this process)"
 STALL_MS = 100
+ATTRIBUTED_MS = 50  # client-seen gaps at least this long are traced to the hop that added the most to them
+# The hops a chunk takes, each from the previous stamp to its own (app/ingress.py RequestOutput.chunk_stamps).
+HOPS = ("engine step", "decode replica", "replica to ingress", "ingress to client")
 
 
 def role(proc: psutil.Process, me: int) -> str:
@@ -96,12 +102,16 @@ def cpu_use(before: dict, after: dict, wall_s: float) -> dict[str, dict]:
 
 
 async def cell(target: Target, system: str, concurrency: int, requests: int, tokens: int, prompt_tokens: int,
-               rng: random.Random) -> dict:
+               rng: random.Random, loop_lag=None) -> dict:
+    """`loop_lag`: asks the ingress for its event-loop lag since the last ask (None: not the app)."""
     prompts = [random_prompt(rng, prompt_tokens) for _ in range(max(requests, concurrency))]
+    if loop_lag is not None:
+        await loop_lag()  # forget what came before
     before, started = thread_times(), time.perf_counter()
     samples, _ = await run_concurrent(target, prompts, tokens, concurrency)
     wall_s = time.perf_counter() - started
     cpu = cpu_use(before, thread_times(), wall_s)
+    lag = await loop_lag() if loop_lag is not None else None
     gaps = [gap * 1e3 for sample in samples for gap in sample.itls]
     worst = [max(sample.itls) * 1e3 for sample in samples]
     return {"system": system, "concurrency": concurrency, "requests": len(samples), "wall_s": wall_s,
@@ -109,7 +119,30 @@ async def cell(target: Target, system: str, concurrency: int, requests: int, tok
             "worst_gap_max_ms": max(worst), "stalled_requests": sum(w > STALL_MS for w in worst),
             "ttft_client_p50_ms": statistics.median(s.ttft * 1e3 for s in samples),
             "ttft_ingress_p50_ms": statistics.median(s.phases_ms.get("ttft", float("nan")) for s in samples),
+            "stall_sources": stall_sources(samples), "ingress_loop_lag": lag,
             "cpu": cpu}
+
+
+def stall_sources(samples) -> dict:
+    """Each client-seen gap of ATTRIBUTED_MS or more between two chunks, split over the hops it crossed: the gap
+    between the engine's steps, then how much longer each later hop took for the second chunk than for the first.
+    The parts sum to the gap; the gap counts for the hop with the largest part."""
+    counted, added, stalls = Counter(), defaultdict(float), 0
+    for sample in samples:
+        if len(sample.chunk_stamps) != len(sample.chunk_arrivals):
+            continue  # not the app, or stamps lost
+        stamps = [(*app_stamps, client) for app_stamps, client in zip(sample.chunk_stamps, sample.chunk_arrivals)]
+        for before, after in zip(stamps, stamps[1:]):
+            if (after[-1] - before[-1]) * 1e3 < ATTRIBUTED_MS:
+                continue
+            parts = [after[0] - before[0]] + [(after[i] - after[i - 1]) - (before[i] - before[i - 1])
+                                              for i in range(1, len(HOPS))]
+            stalls += 1
+            counted[HOPS[max(range(len(HOPS)), key=parts.__getitem__)]] += 1
+            for hop, part in zip(HOPS, parts):
+                added[hop] += part * 1e3
+    return {"stalls": stalls, "by_hop": {hop: {"stalls": counted[hop], "mean_ms": added[hop] / stalls if stalls
+                                               else 0.0} for hop in HOPS}}
 
 
 def idle_use(after_s: float, window_s: float) -> dict:
@@ -134,6 +167,18 @@ def report(cells: list[dict], idle: dict | None, console: Console) -> None:
                      f"{c['worst_gap_p50_ms']:.0f}", f"{c['worst_gap_max_ms']:.0f}", str(c["stalled_requests"]),
                      f"{c['ttft_client_p50_ms']:.0f}", f"{c['ttft_ingress_p50_ms']:.0f}")
     console.print(gaps)
+    sources = Table(title=f"where the client-seen gaps of {ATTRIBUTED_MS} ms or more came from: gaps traced to each "
+                          "hop / mean ms that hop added to a gap")
+    for column in ("concurrency", "system", "gaps", *HOPS, "ingress loop lag p99 / max (ms)"):
+        sources.add_column(column, justify="right")
+    for c in cells:
+        if (lag := c["ingress_loop_lag"]) is None:
+            continue
+        by_hop = c["stall_sources"]["by_hop"]
+        sources.add_row(str(c["concurrency"]), c["system"], str(c["stall_sources"]["stalls"]),
+                        *(f"{by_hop[hop]['stalls']} / {by_hop[hop]['mean_ms']:.0f}" for hop in HOPS),
+                        f"{lag.get('p99_ms', 0):.0f} / {lag.get('max_ms', 0):.0f}")
+    console.print(sources)
     for c in cells:
         console.print(cpu_table(f"CPU, % of one core: {c['system']} at concurrency {c['concurrency']}, "
                                 f"{c['wall_s']:.1f} s", c["cpu"]))
@@ -179,6 +224,7 @@ def main() -> None:
         app = System("app", [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")])
         systems = {mode: (app, Target([url], config.model_id, {"x-pd-timings": "1", "x-kv-transfer-mode": mode}))
                    for mode in args.modes}
+        ingress = serve.get_app_handle("pd")
         plain = None
         try:
             if not args.no_vllm:
@@ -193,8 +239,9 @@ def main() -> None:
                     for other, _ in systems.values():
                         (other.thaw if other is system else other.freeze)()
                     asyncio.run(cell(target, name, 1, 1, 8, args.prompt_tokens, rng))  # warm-up, not kept
+                    loop_lag = None if system is not app else ingress.event_loop_lag.remote
                     cells.append(asyncio.run(cell(target, name, concurrency, args.requests, args.tokens,
-                                                  args.prompt_tokens, rng)))
+                                                  args.prompt_tokens, rng, loop_lag)))
             app.thaw()
             if plain is not None:
                 systems["vllm"][0].freeze()

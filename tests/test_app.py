@@ -109,6 +109,10 @@ def test_seeded_first_token_leaves_before_decode_answers_and_phases_are_ordered(
     assert set(phases) >= {"ingress", "to_prefill", "prefill_compute", "prefill_return", "to_decode", "kv_wait",
                            "decode_first_step", "ttft", "second_token_gap"}
     assert all(ms >= 0 for ms in phases.values())
+    # Every chunk is stamped from the engine's step through its replica to the ingress, in that order.
+    chunks = response.json()["pd_timings"]["chunks_s"]
+    assert len(chunks) >= 2 and all(made <= sent <= got for made, sent, got in chunks)
+    assert chunks == sorted(chunks)
 
 
 def test_concurrent_clients_all_decode_together(app):

@@ -75,7 +75,9 @@ def test_ingress_metrics_by_mode_and_outcome(app):
 
     def counted(samples):
         return ({mode: grew(samples, "ray_pd_requests_total", mode=mode, outcome="ok") for mode in sent} == sent
-                and grew(samples, "ray_pd_requests_total", mode="none", outcome="invalid") == 1)
+                and grew(samples, "ray_pd_requests_total", mode="none", outcome="invalid") == 1
+                # while they ran, the ingress sampled its event loop's lag
+                and grew(samples, "ray_pd_ingress_event_loop_lag_seconds_count") > 0)
 
     after = wait_until(lambda: scrape(app.metrics_url), counted, timeout_s=30)
     assert counted(after), {name: dict(v) for name, v in after.items() if name.startswith("ray_pd_requests")}
