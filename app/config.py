@@ -149,6 +149,11 @@ class IngressConfig(StrictModel):
         "replica of its role can: they died or are being replaced) the request is tried on the replicas left, or "
         "gets a 503 with Retry-After.")
     max_request_bytes: PositiveInt = Field(default=4 * 2**20, description="Larger request bodies get a 413.")
+    stream_interval_ms: float = Field(
+        default=0, ge=0, le=1000, description="After a stream's first chunks, the decode replica passes on at most "
+        "one chunk per this many milliseconds, holding whatever tokens the engine made meanwhile (0: a chunk per "
+        "engine step). Fewer chunks cost every hop to the client less CPU; a client may ask for another interval "
+        "with the `x-pd-stream-interval-ms` header.")
     mode_policy: CostPriors = Field(
         default_factory=CostPriors, description="Where the `auto` mode policy's learned costs start and how it "
         "weighs a request's TTFT against the stall it imposes on running streams (app/mode_policy.py).")

@@ -15,6 +15,8 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     kv_transfer_params: dict[str, Any] | None = None
+    # Decode passes on at most one chunk per this many seconds after the first ones (app/engine_server.py).
+    stream_interval_s: float = 0.0
 
 
 @dataclass

@@ -25,6 +25,9 @@ from kv.engine_identity import claim_identity
 from kv.transfer_config import build_kv_transfer_config
 
 Role = Literal["prefill", "decode"]
+# A stream's first chunks go on as the engine makes them, whatever its interval: its first token, decode's copy of a
+# seeded first token (dropped at the ingress), and the token after it.
+CHUNKS_AT_ONCE = 3
 
 
 def _replica_rank() -> int:
@@ -180,10 +183,14 @@ class DecodeServer(EngineServer):
         request.sampling_params = request.sampling_params.clone()
         request.sampling_params.output_kind = RequestOutputKind.DELTA
         yield LegAccepted(self.replica)
-        first = True
+        sent = 0
         async for output in self._run(request):
             chunk = engine_chunk(output)
-            if first:
-                chunk.engine_events, first = engine_events(output), False
+            if sent == 0:
+                chunk.engine_events = engine_events(output)
             chunk.sent_at = time.time()
             yield chunk
+            sent += 1
+            if request.stream_interval_s and sent >= CHUNKS_AT_ONCE:
+                # Whatever the engine makes meanwhile waits in vLLM's output collector, merged into one chunk.
+                await asyncio.sleep(chunk.sent_at + request.stream_interval_s - time.time())

@@ -45,6 +45,8 @@ MODE_HEADER = "x-kv-transfer-mode"
 REASON_HEADER = "x-kv-transfer-reason"  # why the request took its mode (app/mode_policy.py)
 # A client that sends `x-pd-timings: 1` gets the request's timeline (app/timeline.py) in the response.
 TIMINGS_HEADER = "x-pd-timings"
+# A client may ask for another interval between a stream's chunks than the configured one (app/config.py).
+STREAM_INTERVAL_HEADER = "x-pd-stream-interval-ms"
 # A replacement engine replica takes a minute or more to start; clients that honour Retry-After come back then.
 RETRY_LATER = {"Retry-After": "10"}
 
@@ -91,6 +93,7 @@ class OpenAIIngress:
         self.model_id = config.model_id
         self.timeout_s = config.ingress.request_timeout_s
         self.max_request_bytes = config.ingress.max_request_bytes
+        self.stream_interval_ms = config.ingress.stream_interval_ms
         self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer, config.ingress.replica_wait_s)
         self.policy = ModePolicy(PolicyConfig(config.transfer.default_mode, config.transfer.modes,
@@ -158,7 +161,8 @@ class OpenAIIngress:
             self._authorize(request)
             body = await _parse(request, model, self.max_request_bytes)
             report_timings = request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true")
-            admitted = await self._admit(body, request.headers.get(MODE_HEADER), report_timings, timeline)
+            admitted = await self._admit(body, request.headers.get(MODE_HEADER), report_timings, timeline,
+                                         request.headers.get(STREAM_INTERVAL_HEADER))
         headers = {MODE_HEADER: admitted.mode, REASON_HEADER: admitted.decision.reason}
         if body.stream:
             return StreamingResponse(self._sse(admitted), media_type="text/event-stream", headers=headers)
@@ -190,13 +194,13 @@ class OpenAIIngress:
         return await self._whole(admitted)
 
     async def create_stream(self, request: CompletionRequest | ChatCompletionRequest | dict, mode: str | None = None,
-                            timings: bool = False) -> AsyncIterator[dict]:
+                            timings: bool = False, stream_interval_ms: float | None = None) -> AsyncIterator[dict]:
         """The chunk bodies HTTP would stream (without the `data:` framing and `[DONE]`), through
         `handle.options(stream=True)`. A failure after the first chunk raises APIError from the stream. Cancelling
-        the call aborts the request's legs."""
+        the call aborts the request's legs. `stream_interval_ms` is the `x-pd-stream-interval-ms` header's."""
         timeline = RequestTimeline()
         with self._counting_refusals():
-            admitted = await self._admit(as_request(request), mode, timings, timeline)
+            admitted = await self._admit(as_request(request), mode, timings, timeline, stream_interval_ms)
         async for body in self._stream(admitted):
             yield body
 
@@ -301,16 +305,32 @@ class OpenAIIngress:
             return await asyncio.to_thread(self.tokenizer.encode, body.prompt)  # off the event loop
         return self._checked_token_ids(body.prompt)
 
+    def _stream_interval_s(self, asked: str | float | None) -> float:
+        """The interval between a stream's chunks that the client asked for (header or handle argument), checked;
+        else the configured one."""
+        if asked is None:
+            return self.stream_interval_ms / 1e3
+        try:
+            ms = float(asked)
+        except (TypeError, ValueError):
+            ms = float("nan")
+        if not 0 <= ms <= 1000:  # NaN included
+            raise APIError(400, f"{STREAM_INTERVAL_HEADER} must be a number of milliseconds from 0 to 1000",
+                           param=STREAM_INTERVAL_HEADER)
+        return ms / 1e3
+
     async def _admit(self, body: SamplingFields, requested_mode: str | None, report_timings: bool,
-                     timeline: RequestTimeline) -> Admitted:
-        """Checks the request (model, mode, prompt, length) and starts it."""
+                     timeline: RequestTimeline, stream_interval: str | float | None = None) -> Admitted:
+        """Checks the request (model, mode, prompt, length, stream interval) and starts it."""
         self._check_model(body.model)
         requested = self._requested(requested_mode)
+        stream_interval_s = self._stream_interval_s(stream_interval)
         prompt_ids = await self._prompt_ids(body)
         max_tokens = await self._checked_max_tokens(body, len(prompt_ids))
         chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens))
+        engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens),
+                                       stream_interval_s=stream_interval_s)
         decision = self._decide(requested, prompt_ids, engine_request.sampling_params)
         timeline.decided(decision.mode, decision.reason, decision.costs)
         return Admitted(

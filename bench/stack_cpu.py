@@ -1,8 +1,8 @@
 """Where the serving stack's CPU goes while streams flow, process by process and thread by thread, beside the gaps
 between tokens that the client sees; and what the stack burns once it is idle.
 
-    python -m bench.stack_cpu [--config configs/cpu-tiny.yaml] [--modes push pull local] [--concurrency 1 16]
-                              [--requests 12] [--tokens 150] [--prompt-tokens 128] [--idle-after 60]
+    python -m bench.stack_cpu [--config configs/cpu-tiny.yaml] [--modes push pull local] [--stream-intervals MS ...]
+                              [--concurrency 1 16] [--requests 12] [--tokens 150] [--prompt-tokens 128] [--idle-after 60]
                               [--idle-window 30] [--no-vllm] [--out bench/results/stack_cpu.json]
 
 Starts vLLM's own OpenAI server (one engine doing prefill and decode, on the decode engine's core: `vllm`), then
@@ -37,6 +37,7 @@ from ray import serve
 from rich.console import Console
 from rich.table import Table
 
+from app.ingress import STREAM_INTERVAL_HEADER
 from bench.load import Target, percentile, run_concurrent
 from bench.peers import random_prompt
 from bench.systems import System, VllmServer, app_on_own_cluster, bench_config, wait_ready
@@ -204,6 +205,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/cpu-tiny.yaml")
     parser.add_argument("--modes", nargs="+", default=["push", "pull", "local"])
+    parser.add_argument("--stream-intervals", type=float, nargs="+",
+                        help="ms between a stream's chunks (the x-pd-stream-interval-ms header), each a system of its "
+                             "own; default: the config's ingress.stream_interval_ms")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=150)
@@ -217,13 +221,17 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     config = bench_config(args.config)
+    intervals = args.stream_intervals or [config.ingress.stream_interval_ms]
     console = Console(width=160)
     rng = random.Random(args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-stack-cpu-"))
     with console.status("starting the app and plain vLLM, then measuring"), app_on_own_cluster(config) as url:
         app = System("app", [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")])
-        systems = {mode: (app, Target([url], config.model_id, {"x-pd-timings": "1", "x-kv-transfer-mode": mode}))
-                   for mode in args.modes}
+        systems = {
+            mode if len(intervals) == 1 else f"{mode} @{interval:g} ms":
+                (app, Target([url], config.model_id, {"x-pd-timings": "1", "x-kv-transfer-mode": mode,
+                                                      STREAM_INTERVAL_HEADER: str(interval)}))
+            for mode in args.modes for interval in intervals}
         ingress = serve.get_app_handle("pd")
         plain = None
         try:

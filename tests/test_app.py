@@ -115,6 +115,39 @@ def test_seeded_first_token_leaves_before_decode_answers_and_phases_are_ordered(
     assert chunks == sorted(chunks)
 
 
+def _stream_chunks(base_url: str, body: dict, headers: dict) -> list[list[int]]:
+    """The token ids of each streamed chunk that carries tokens."""
+    chunks = []
+    with httpx.stream("POST", base_url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                      timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {") and (ids := json.loads(line[len("data: "):])["choices"][0]["token_ids"]):
+                chunks.append(ids)
+    return chunks
+
+
+@pytest.mark.parametrize("mode", ["push", "pull", "local"])
+def test_a_stream_interval_merges_tokens_into_fewer_chunks_and_changes_no_token(app, mode):
+    body = {"model": MODEL, "prompt": CASES[1].prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    each_step = _stream_chunks(app.base_url, body, {"x-kv-transfer-mode": mode})
+    started = time.monotonic()
+    merged = _stream_chunks(app.base_url, body, {"x-kv-transfer-mode": mode, "x-pd-stream-interval-ms": "200"})
+    took_s = time.monotonic() - started
+    assert sum(merged, []) == sum(each_step, [])
+    # The first chunks go at once, then at most one per 200 ms (plus the last, once the request ends).
+    assert len(merged) <= 3 + took_s / 0.2 + 1 < len(each_step), (len(merged), took_s, len(each_step))
+
+
+@pytest.mark.parametrize("interval", ["abc", "", "-1", "1001", "nan", "inf"])
+def test_a_stream_interval_that_is_not_a_valid_number_of_ms_gets_a_400(app, interval):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}
+    response = httpx.post(app.base_url + "/v1/completions", json=body, headers={"x-pd-stream-interval-ms": interval},
+                          timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "x-pd-stream-interval-ms"
+
+
 def test_concurrent_clients_all_decode_together(app):
     """More clients than Serve's default of 5 ongoing requests: every stream has its first token before any
     stream ends, and the decode engine runs them all at once."""
