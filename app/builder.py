@@ -61,8 +61,10 @@ def ingress_options(config: PDAppConfig) -> dict[str, Any]:
 
 
 def build_pd_app(config: PDAppConfig) -> Application:
-    prefill = engine_deployment(PrefillServer, config.prefill).bind(config.prefill, config.transfer)
-    decode = engine_deployment(DecodeServer, config.decode).bind(config.decode, config.transfer)
+    prefill = engine_deployment(PrefillServer, config.prefill).bind(config.prefill, config.transfer,
+                                                                    config.stack_cpu_cores)
+    decode = engine_deployment(DecodeServer, config.decode).bind(config.decode, config.transfer,
+                                                                 config.stack_cpu_cores)
     return OpenAIIngress.options(**ingress_options(config)).bind(prefill, decode, config)
 
 

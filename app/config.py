@@ -7,6 +7,9 @@ crosses between the two sides.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -164,6 +167,27 @@ class IngressConfig(StrictModel):
     )
 
 
+def cpu_set(cores: str) -> set[int]:
+    """A core list in vLLM's VLLM_CPU_OMP_THREADS_BIND syntax ('0', '2-3', '0,2-3') as the set of its cores."""
+    found = set()
+    for part in cores.split(","):
+        bounds = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        first, last = (int(bounds[1]), int(bounds[2] or bounds[1])) if bounds else (1, 0)
+        if first > last:
+            raise ValueError(f"{cores!r} is not a core list like '0', '2-3' or '0,2-3'")
+        found.update(range(first, last + 1))
+    return found
+
+
+def hold_process_to(cores: str) -> None:
+    """Hold every thread of this process, and so every thread and process it starts from now on, to `cores`.
+    (A thread's affinity is its own: Serve runs a replica's constructor on a thread of its own.)"""
+    allowed = cpu_set(cores)
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(thread), allowed)
+
+
 class PDAppConfig(StrictModel):
     """The whole application: one prefill side, one decode side, the KV transfer between them, the ingress."""
 
@@ -171,6 +195,19 @@ class PDAppConfig(StrictModel):
     decode: EngineConfig
     transfer: TransferConfig = TransferConfig()
     ingress: IngressConfig = IngressConfig()
+    stack_cpu_cores: str | None = Field(
+        default=None, description="CPU engines only: the cores the app's own processes are held to -- the ingress, "
+        "each engine replica and its engine-core process (each engine's compute threads stay on its cpu_cores). "
+        "They take CPU with every token streamed: on a decode engine's core they slow every stream's steps, so put "
+        "them on the prefill engines' cores. Ray's own processes (Serve's proxy and controller) are not covered; "
+        "start Ray under `taskset` for those.")
+
+    @field_validator("stack_cpu_cores")
+    @classmethod
+    def _a_core_list(cls, cores: str | None) -> str | None:
+        if cores is not None:
+            cpu_set(cores)
+        return cores
 
     @model_validator(mode="after")
     def _both_sides_serve_one_model(self) -> PDAppConfig:
@@ -181,8 +218,8 @@ class PDAppConfig(StrictModel):
     @model_validator(mode="after")
     def _buffer_matches_hardware(self) -> PDAppConfig:
         uses_gpu = self.prefill.uses_gpu or self.decode.uses_gpu
-        if uses_gpu and any(side.cpu_cores for side in (self.prefill, self.decode)):
-            raise ValueError("cpu_cores applies to CPU engines only; GPU bundles were given")
+        if uses_gpu and (self.stack_cpu_cores or any(side.cpu_cores for side in (self.prefill, self.decode))):
+            raise ValueError("cpu_cores and stack_cpu_cores apply to CPU engines only; GPU bundles were given")
         if not uses_gpu and self.transfer.kv_buffer_device != "cpu":
             raise ValueError("CPU engines keep KV in DRAM: transfer.kv_buffer_device must be 'cpu'")
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from conftest import CASES, ROOT, Case
@@ -146,6 +148,18 @@ def test_a_stream_interval_that_is_not_a_valid_number_of_ms_gets_a_400(app, inte
     response = httpx.post(app.base_url + "/v1/completions", json=body, headers={"x-pd-stream-interval-ms": interval},
                           timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "x-pd-stream-interval-ms"
+
+
+def test_the_apps_own_processes_stay_off_the_decode_engines_core(app):
+    """cpu-tiny holds each engine replica, all its threads, and its engine-core process to core 0
+    (stack_cpu_cores); vLLM binds each engine's worker process to the engine's own core."""
+    for role, core in (("prefill", 0), ("decode", 1)):
+        replica = psutil.Process(app.engine_call(role, "engine_info")["pid"])
+        assert os.sched_getaffinity(replica.pid) == {0}
+        engine = {process.name(): process for process in replica.children(recursive=True)}
+        assert os.sched_getaffinity(engine["VLLM::EngineCore"].pid) == {0}
+        assert os.sched_getaffinity(engine["VLLM::Worker"].pid) == {core}
+        assert all(os.sched_getaffinity(thread.id) == {0} for thread in replica.threads())
 
 
 def test_concurrent_clients_all_decode_together(app):

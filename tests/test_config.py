@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from app.builder import build_app, engine_deployment, ingress_options, resolve_config_path
-from app.config import PDAppConfig, load_config
+from app.config import PDAppConfig, cpu_set, load_config
 from app.engine_server import DecodeServer, PrefillServer
 from kv.engine_identity import TransferIdentity
 from kv.transfer_config import build_kv_transfer_config
@@ -21,6 +21,7 @@ from kv.transfer_config import build_kv_transfer_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CPU = CONFIGS / "cpu-tiny.yaml"
 GPU_PRESETS = sorted(CONFIGS.glob("gpu-*.yaml"))
+CPU_PRESETS = sorted(CONFIGS.glob("cpu-*.yaml"))
 
 
 def raw_cpu_config() -> dict:
@@ -149,6 +150,22 @@ def test_the_cpu_decode_engine_prefills_long_prompts_in_chunks():
     config = PDAppConfig.model_validate(raw_cpu_config())
     assert config.decode.prefill_chunk_tokens == 256 and config.prefill.prefill_chunk_tokens is None
     assert config.decode.engine_kwargs["max_model_len"] == config.prefill.engine_kwargs["max_model_len"]
+
+
+@pytest.mark.parametrize("cores", ["", "a", "3-1", "1-", "0,,1"])
+def test_stack_cpu_cores_must_be_a_core_list(cores):
+    assert "core list" in _invalid(lambda c: c.update(stack_cpu_cores=cores))
+
+
+def test_stack_cpu_cores_reads_vllms_core_list_syntax():
+    assert cpu_set("0,2-3") == {0, 2, 3} and cpu_set(" 1 ") == {1}
+
+
+def test_the_cpu_presets_keep_the_stack_on_the_prefill_core():
+    for preset in CPU_PRESETS:
+        config = load_config(preset)
+        assert cpu_set(config.stack_cpu_cores) == cpu_set(config.prefill.cpu_cores[0]), preset.name
+        assert all(cpu_set(config.stack_cpu_cores).isdisjoint(cpu_set(cores)) for cores in config.decode.cpu_cores)
 
 
 def test_backends_have_one_place_in_the_config():
