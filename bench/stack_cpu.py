@@ -3,7 +3,7 @@ between tokens that the client sees; and what the stack burns once it is idle.
 
     python -m bench.stack_cpu [--config configs/cpu-tiny.yaml] [--modes push pull local] [--stream-intervals MS ...]
                               [--concurrency 1 16] [--requests 12] [--tokens 150] [--prompt-tokens 128] [--idle-after 60]
-                              [--idle-window 30] [--no-vllm] [--out bench/results/stack_cpu.json]
+                              [--idle-window 30] [--no-vllm] [--stack-free-too] [--out bench/results/stack_cpu.json]
 
 Starts vLLM's own OpenAI server (one engine doing prefill and decode, on the decode engine's core: `vllm`), then
 the app on a Ray cluster of its own, so every process of both stacks (Ray's own, Serve's controller and proxy, the
@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import random
 import statistics
 import tempfile
@@ -37,6 +39,7 @@ from ray import serve
 from rich.console import Console
 from rich.table import Table
 
+from app.config import cpu_set
 from app.ingress import STREAM_INTERVAL_HEADER
 from bench.load import Target, percentile, run_concurrent
 from bench.peers import random_prompt
@@ -68,6 +71,21 @@ def role(proc: psutil.Process, me: int) -> str:
         if known in title:
             return f"ray {known.removesuffix('.py')}"
     return proc.name()
+
+
+def hold_stack(cores: set[int]) -> None:
+    """Hold every thread of the app's own processes -- its replicas and their engine-core processes, not the
+    engines' workers, which vLLM binds to their cores -- to `cores`, as `stack_cpu_cores` does when they start."""
+    me = psutil.Process()
+    for proc in me.children(recursive=True):
+        try:
+            label = role(proc, me.pid)
+            if label.startswith("ServeReplica:") and not label.endswith("VLLM::Worker"):
+                for thread in proc.threads():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.sched_setaffinity(thread.id, cores)
+        except psutil.NoSuchProcess:
+            continue
 
 
 def thread_times() -> dict[tuple[int, int], tuple[str, str, float]]:
@@ -215,6 +233,9 @@ def main() -> None:
     parser.add_argument("--idle-after", type=float, default=60, help="seconds; negative: no idle measurement")
     parser.add_argument("--idle-window", type=float, default=30)
     parser.add_argument("--no-vllm", action="store_true", help="leave plain vLLM out")
+    parser.add_argument("--stack-free-too", action="store_true",
+                        help="each app system also with its own processes free to run on every core (stack_cpu_cores "
+                             "undone), to measure what holding them off the decode core gives")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/stack_cpu.json"))
     args = parser.parse_args()
@@ -227,29 +248,37 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-stack-cpu-"))
     with console.status("starting the app and plain vLLM, then measuring"), app_on_own_cluster(config) as url:
         app = System("app", [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")])
+        configured = cpu_set(config.stack_cpu_cores) if config.stack_cpu_cores else None
+        variants = {"": configured, **({", stack free": set(range(os.cpu_count()))} if args.stack_free_too else {})}
         systems = {
-            mode if len(intervals) == 1 else f"{mode} @{interval:g} ms":
+            (mode if len(intervals) == 1 else f"{mode} @{interval:g} ms") + variant:
                 (app, Target([url], config.model_id, {"x-pd-timings": "1", "x-kv-transfer-mode": mode,
-                                                      STREAM_INTERVAL_HEADER: str(interval)}))
-            for mode in args.modes for interval in intervals}
+                                                      STREAM_INTERVAL_HEADER: str(interval)}), cores)
+            for mode in args.modes for interval in intervals for variant, cores in variants.items()}
         ingress = serve.get_app_handle("pd")
         plain = None
         try:
             if not args.no_vllm:
-                app.freeze()  # the app's engines are up: a stopped one holds nothing the plain server needs
+                # Started once the app is up, its engines stopped: started first, it kept the app's engines from
+                # finishing their start.
+                app.freeze()
                 plain = VllmServer(config.decode, config.decode.cpu_cores[0], log_dir)
                 wait_ready(plain.url)
-                systems = {"vllm": (System("vllm", plain.engines()), Target([plain.url], config.model_id)),
+                systems = {"vllm": (System("vllm", plain.engines()), Target([plain.url], config.model_id), None),
                            **systems}
             cells = []
             for concurrency in args.concurrency:
-                for name, (system, target) in systems.items():
-                    for other, _ in systems.values():
+                for name, (system, target, cores) in systems.items():
+                    for other, *_ in systems.values():
                         (other.thaw if other is system else other.freeze)()
+                    if system is app and cores is not None:
+                        hold_stack(cores)
                     asyncio.run(cell(target, name, 1, 1, 8, args.prompt_tokens, rng))  # warm-up, not kept
                     loop_lag = None if system is not app else ingress.event_loop_lag.remote
                     cells.append(asyncio.run(cell(target, name, concurrency, args.requests, args.tokens,
                                                   args.prompt_tokens, rng, loop_lag)))
+            if configured is not None:
+                hold_stack(configured)
             app.thaw()
             if plain is not None:
                 systems["vllm"][0].freeze()
