@@ -172,9 +172,9 @@ class OpenAIIngress:
 
     # -- Python handle API: for other Serve apps and Ray tasks (`serve.get_app_handle(...)`; README) ---------------
 
-    def event_loop_lag(self) -> dict[str, float]:
+    async def event_loop_lag(self) -> dict[str, float]:
         """How late this replica's event loop ran due tasks while requests were in flight, since the last call
-        (app/ingress_metrics.py EventLoopLag; bench/stack_cpu.py reads it)."""
+        (app/ingress_metrics.py EventLoopLag; bench/stack_cpu.py reads it). On the loop, like the sampling."""
         return self.loop_lag.summary()
 
     def transfer_modes(self) -> dict:
