@@ -231,6 +231,10 @@ class RequestFlow:
         which frees its blocks), rather than decode waiting out `push_timeout_s` for a WRITE that cannot come."""
         chunks = aiter(chunks)
         while True:
+            if prefill_result.done() and prefill_result.exception() is None:
+                async for chunk in chunks:  # prefill answered: nothing left to race each chunk against
+                    yield chunk
+                return
             step = asyncio.ensure_future(anext(chunks))
             if not prefill_result.done():
                 await asyncio.wait({step, prefill_result}, return_when=asyncio.FIRST_COMPLETED)
