@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import uuid
 from dataclasses import asdict, dataclass
@@ -18,11 +19,33 @@ class TransferIdentity:
         return asdict(self)
 
 
+# Ports below this are Ray's: its workers listen on 10002-19999 by default.
+LISTEN_PORTS_FROM = 20000
+
+
+def ephemeral_ports() -> range:
+    """The ports the OS hands to outgoing connections and to binds of port 0 (Linux's; IANA's elsewhere)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except OSError:
+        low, high = 49152, 65535
+    return range(low, high + 1)
+
+
 def free_port(host: str) -> int:
-    """A port the OS just handed out; the engine binds it moments later (the race is harmless in practice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now, for a listener that may bind it only minutes later (an engine binds its side channel once
+    its model is compiled). A port from the ephemeral range would often be taken by then, by any outgoing
+    connection on the machine; ports between Ray's and the ephemeral range are taken only by listeners that chose
+    them, so the port is drawn from there at random (or from the OS where that gap is empty)."""
+    gap = range(LISTEN_PORTS_FROM, ephemeral_ports().start)
+    for port in random.sample(gap, min(len(gap), 64)) or [0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free port on {host} in {gap.start}-{gap.stop - 1}")
 
 
 def claim_identity(role: str, host: str, port_in_env: bool) -> TransferIdentity:

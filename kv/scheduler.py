@@ -68,6 +68,26 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         # heartbeat interval. A request arriving later than this before the lease ends may find its blocks freed.
         self._lease_margin_s = self._heartbeat_interval + 1.0
 
+    def _nixl_handshake_listener(self, encoded_data, ready_event, *args) -> None:
+        """vLLM's listener, on the instance: if its socket cannot bind (the port was taken after the replica chose
+        it), vLLM's thread dies before saying it is ready and the engine's start waits for it forever."""
+        try:
+            super()._nixl_handshake_listener(encoded_data, ready_event, *args)
+        except Exception as e:
+            if ready_event.is_set():
+                raise
+            self._listener_failure = e  # raised by the start, below
+            ready_event.set()
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        """Starts the side-channel listener; a listener that could not start fails the engine's start (Serve then
+        starts the replica afresh, with a port of its own) instead of hanging it."""
+        self._listener_failure = None
+        super().set_xfer_handshake_metadata(metadata)
+        if self._listener_failure is not None:
+            raise RuntimeError(f"the KV side channel cannot listen on {self.side_channel_host}:"
+                               f"{self.side_channel_port}: {self._listener_failure}") from self._listener_failure
+
     def on_new_request(self, request) -> None:
         """Decode side: a pull request whose prefill lease is over (or nearly) must not READ: prefill may have
         freed those blocks and given them to another request, and a READ would return someone else's KV without
