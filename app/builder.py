@@ -21,6 +21,16 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # engine died after three failed checks, so this bounds how long a leg runs one replica short. (The ingress does not
 # wait for it: app/replica_view.py.) The check is one cheap call to the engine.
 ENGINE_HEALTH_CHECK_PERIOD_S = 2
+# Serve's replicas, and the handles inside them, export their metrics every 100 ms by default: ten wake-ups a second
+# in every process of the app, idle or not. Once a second is as fresh as a Prometheus scrape needs. (A runtime_env
+# in the config may still set it.)
+SERVE_REPLICA_ENV = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+
+
+def with_serve_env(actor_options: dict[str, Any]) -> dict[str, Any]:
+    runtime_env = dict(actor_options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**SERVE_REPLICA_ENV, **runtime_env.get("env_vars", {})}
+    return {**actor_options, "runtime_env": runtime_env}
 
 
 def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve.Deployment:
@@ -45,7 +55,7 @@ def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve
     options.pop("ray_actor_options", None)
     return serve.deployment(server).options(
         **options,
-        ray_actor_options=actor_options,
+        ray_actor_options=with_serve_env(actor_options),
         placement_group_bundles=bundles,
         placement_group_strategy=engine.placement_group_config.strategy,
     )
@@ -57,7 +67,8 @@ def ingress_options(config: PDAppConfig) -> dict[str, Any]:
     Retry-After header (back-pressure) instead of letting the queue grow without bound."""
     replicas = int(config.ingress.deployment_config.get("num_replicas", 1))
     share = math.ceil(config.decode.max_replicas * config.decode.max_num_seqs / replicas)
-    return {"max_ongoing_requests": share, "max_queued_requests": share, **config.ingress.deployment_config}
+    options = {"max_ongoing_requests": share, "max_queued_requests": share, **config.ingress.deployment_config}
+    return {**options, "ray_actor_options": with_serve_env(options.get("ray_actor_options", {}))}
 
 
 def build_pd_app(config: PDAppConfig) -> Application:

@@ -210,7 +210,22 @@ def test_deployments_admit_what_their_engines_run_at_once():
     # The ingress holds every request for its whole life: as many as the decode replicas run, and a bounded queue
     # beyond that (Serve answers 503 past it).
     assert ingress_options(config) == {"max_ongoing_requests": max_num_seqs, "max_queued_requests": max_num_seqs,
-                                       "ray_actor_options": {"num_cpus": 0}}
+                                       "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": EXPORT_1S}}}
+
+
+EXPORT_1S = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+
+
+def test_every_replica_exports_serves_metrics_once_a_second_unless_its_runtime_env_says_otherwise():
+    raw = raw_cpu_config()
+    raw["ingress"]["deployment_config"] = {"ray_actor_options": {"runtime_env": {
+        "env_vars": {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"}}}}
+    config = PDAppConfig.model_validate(raw)
+    for server, engine in ((PrefillServer, config.prefill), (DecodeServer, config.decode)):
+        env = engine_deployment(server, engine).ray_actor_options["runtime_env"]["env_vars"]
+        assert env == {**EXPORT_1S, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert ingress_options(config)["ray_actor_options"]["runtime_env"]["env_vars"] == {
+        "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"}
 
 
 def test_ingress_replicas_share_the_decode_capacity_and_explicit_options_win():
