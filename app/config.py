@@ -179,13 +179,12 @@ def cpu_set(cores: str) -> set[int]:
     return found
 
 
-def hold_process_to(cores: str) -> None:
-    """Hold every thread of this process, and so every thread and process it starts from now on, to `cores`.
-    (A thread's affinity is its own: Serve runs a replica's constructor on a thread of its own.)"""
-    allowed = cpu_set(cores)
-    for thread in os.listdir("/proc/self/task"):
+def hold_process_to(cores: set[int], pid: int | str = "self") -> None:
+    """Hold every thread of process `pid` (this one by default), and so every thread and process it starts from now
+    on, to `cores`. (A thread's affinity is its own: Serve runs a replica's constructor on a thread of its own.)"""
+    for thread in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
-            os.sched_setaffinity(int(thread), allowed)
+            os.sched_setaffinity(int(thread), cores)
 
 
 class PDAppConfig(StrictModel):

@@ -16,7 +16,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
-from app.config import EngineConfig, hold_process_to
+from app.config import EngineConfig, cpu_set, hold_process_to
 from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult, ReplicaUnavailable
 from app.engine_stats import EngineStatsRecorder, RequestLoad
 from app.tiny_model import resolve_model_source
@@ -43,7 +43,7 @@ class EngineServer:
         if stack_cpu_cores is not None:
             # Before the engine starts: its engine-core and worker processes inherit it (vLLM then binds the
             # worker's compute threads to the engine's own cores).
-            hold_process_to(stack_cpu_cores)
+            hold_process_to(cpu_set(stack_cpu_cores))
         if engine.cpu_cores is not None:
             # vLLM's CPU backend binds its OpenMP threads here; without it two engines on one machine share every
             # core and decode slows by an order of magnitude.

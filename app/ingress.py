@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from transformers import AutoTokenizer
 
-from app.config import PDAppConfig, hold_process_to
+from app.config import PDAppConfig, cpu_set, hold_process_to
 from app.engine_protocol import EngineChunk, EngineRequest
 from app.first_token import can_seed
 from app.ingress_metrics import EventLoopLag, IngressMetrics
@@ -91,7 +91,7 @@ def _sse(body: dict) -> str:
 class OpenAIIngress:
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, config: PDAppConfig):
         if config.stack_cpu_cores is not None:
-            hold_process_to(config.stack_cpu_cores)
+            hold_process_to(cpu_set(config.stack_cpu_cores))
         self.model_id = config.model_id
         self.timeout_s = config.ingress.request_timeout_s
         self.max_request_bytes = config.ingress.max_request_bytes

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -39,7 +38,7 @@ from ray import serve
 from rich.console import Console
 from rich.table import Table
 
-from app.config import cpu_set
+from app.config import cpu_set, hold_process_to
 from app.ingress import STREAM_INTERVAL_HEADER
 from bench.load import Target, percentile, run_concurrent
 from bench.peers import random_prompt
@@ -81,10 +80,8 @@ def hold_stack(cores: set[int]) -> None:
         try:
             label = role(proc, me.pid)
             if label.startswith("ServeReplica:") and not label.endswith("VLLM::Worker"):
-                for thread in proc.threads():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.sched_setaffinity(thread.id, cores)
-        except psutil.NoSuchProcess:
+                hold_process_to(cores, proc.pid)
+        except (psutil.NoSuchProcess, FileNotFoundError):
             continue
 
 

@@ -32,18 +32,23 @@ def _text_of(choice: dict) -> str:
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
-def _stream_text(base_url: str, path: str, body: dict) -> str:
-    text = ""
-    with httpx.stream("POST", base_url + path, json={**body, "stream": True}, timeout=120) as response:
-        assert response.status_code == 200
+def _stream_choices(base_url: str, path: str, body: dict, headers: dict | None = None) -> list[dict]:
+    """The choice of each streamed event, in order; the stream must end without an error event."""
+    choices = []
+    with httpx.stream("POST", base_url + path, json={**body, "stream": True}, headers=headers,
+                      timeout=120) as response:
+        assert response.status_code == 200, response.read()
         for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if not line.startswith("data: {"):
                 continue
             event = json.loads(line[len("data: "):])
             assert "error" not in event, event
-            choice = event["choices"][0]
-            text += choice["delta"]["content"] if "delta" in choice else choice["text"]
-    return text
+            choices += event["choices"]
+    return choices
+
+
+def _stream_text(base_url: str, path: str, body: dict) -> str:
+    return "".join(c["delta"]["content"] if "delta" in c else c["text"] for c in _stream_choices(base_url, path, body))
 
 
 # A stop string that never matches: the request's output is unchanged, but it takes the unseeded path (decode samples
@@ -119,14 +124,7 @@ def test_seeded_first_token_leaves_before_decode_answers_and_phases_are_ordered(
 
 def _stream_chunks(base_url: str, body: dict, headers: dict) -> list[list[int]]:
     """The token ids of each streamed chunk that carries tokens."""
-    chunks = []
-    with httpx.stream("POST", base_url + "/v1/completions", json={**body, "stream": True}, headers=headers,
-                      timeout=120) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if line.startswith("data: {") and (ids := json.loads(line[len("data: "):])["choices"][0]["token_ids"]):
-                chunks.append(ids)
-    return chunks
+    return [c["token_ids"] for c in _stream_choices(base_url, "/v1/completions", body, headers) if c["token_ids"]]
 
 
 @pytest.mark.parametrize("mode", ["push", "pull", "local"])
