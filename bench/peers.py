@@ -10,7 +10,9 @@ Systems:
   1P1D);
 - `push`, `pull`, `local`: this app, each request in that mode;
 - `auto`: this app, each request in the mode its policy chooses (app/mode_policy.py; the decision mix is reported);
-- `rsllm-pd`: Ray Serve LLM's `build_pd_openai_app` with vLLM's NixlConnector, engines on the same cores.
+- `rsllm-pd`: Ray Serve LLM's `build_pd_openai_app` with vLLM's NixlConnector, engines on the same cores;
+- `serve-floor`: Ray Serve alone on the app's hops (proxy, ingress replica, handle stream from a second replica),
+  streaming a token every `--floor-itl-ms` with no engine (bench/systems.py): the app's cost above Ray Serve's own.
 
 Workloads: one request at a time at each prompt length (TTFT, second-token gap), then a concurrency sweep over a
 fixed mix of prompt lengths (TTFT, ITL, TPOT, throughput). At one request at a time the systems take turns request by
@@ -43,10 +45,10 @@ from tqdm import tqdm
 
 from bench.load import Sample, Target, percentile, run_concurrent
 from bench.systems import HOST, ROOT, System, VllmServer, bench_config, engine_processes, rsllm_pd_app, \
-    serve_replica_pids, wait_ready
+    serve_floor_app, serve_replica_pids, wait_ready
 
 APP_MODES = ("push", "pull", "local", "auto")
-SYSTEMS = ("vllm", "vllm-x2", *APP_MODES, "rsllm-pd")  # the order of the report's columns
+SYSTEMS = ("vllm", "vllm-x2", *APP_MODES, "rsllm-pd", "serve-floor")  # the order of the report's columns
 LENGTH_MIX = (128, 512, 1024)  # the concurrency sweep's prompt lengths, drawn uniformly
 README_START, README_END = "<!-- bench.peers results: start -->", "<!-- bench.peers results: end -->"
 
@@ -189,6 +191,7 @@ def markdown(results: dict) -> str:
         lines.append(f"| {c} | {ratio(pull and pull['itl_p99'], x2 and x2['itl_p99'])} | "
                      f"{ratio(pull and pull['throughput_tok_s'], x2 and x2['throughput_tok_s'])} | "
                      f"{ratio(pull and pull['ttft_p50'], rs and rs['ttft_p50'])} |")
+    lines += above_serve_floor(results)
     if "auto" in conc:
         fixed = [m for m in APP_MODES[:3] if m in conc]
         lines += ["", "`auto` at each concurrency: its TTFT p50 against the best fixed mode's, and the modes it chose:",
@@ -206,6 +209,25 @@ def markdown(results: dict) -> str:
               handoff_weight(results), "",
               "![TTFT vs prompt length](ttft_vs_length.png)", "![TTFT and ITL vs concurrency](concurrency.png)"]
     return "\n".join(lines) + "\n"
+
+
+def above_serve_floor(results: dict) -> list[str]:
+    """What the app adds to TTFT over a plain engine, against what Ray Serve's own hops cost with no engine."""
+    lat = results["latency"]
+    modes = [m for m in APP_MODES[:3] if m in lat]
+    if "serve-floor" not in lat or "vllm" not in lat or not modes:
+        return []
+    lines = ["", f"**The app above Ray Serve's own floor**, one request at a time: `serve-floor` streams a token every "
+             f"{results['floor_itl_ms']:g} ms with no engine over the app's hops, so its TTFT is what Serve alone "
+             "costs; each mode's TTFT above plain vLLM's, less that, is the app's own (ms, p50):", "",
+             "| prompt tokens | serve-floor TTFT | " + " | ".join(f"{m} - vllm" for m in modes) + " | "
+             + " | ".join(f"{m}: app's own" for m in modes) + " |", "|" + "---|" * (2 + 2 * len(modes))]
+    for n in results["lengths"]:
+        floor, plain = lat["serve-floor"][str(n)]["ttft_p50"], lat["vllm"][str(n)]["ttft_p50"]
+        over = [lat[m][str(n)]["ttft_p50"] - plain for m in modes]
+        lines.append(f"| {n} | {floor:.1f} | " + " | ".join(f"{o:.0f}" for o in over) + " | "
+                     + " | ".join(f"{o - floor:.0f}" for o in over) + " |")
+    return lines
 
 
 def plots(results: dict, out: Path) -> None:
@@ -300,6 +322,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--no-rsllm", action="store_true", help="leave Ray Serve LLM PD out")
+    parser.add_argument("--floor-itl-ms", type=float, default=6.0,
+                        help="serve-floor's pace: a token every this many ms (plain vLLM's TPOT here)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--update-readme", action="store_true")
     args = parser.parse_args()
@@ -351,6 +375,9 @@ def main() -> None:
                                             for p in engine_processes(pid)])
                 rsllm.freeze()
                 systems["rsllm-pd"] = (rsllm, Target([base + "/rsllm"], model))
+            serve.run(serve_floor_app(args.floor_itl_ms / 1e3, config.stack_cpu_cores), name="floor",
+                      route_prefix="/floor")
+            systems["serve-floor"] = (System("serve-floor"), Target([base + "/floor"], model))
 
         totals = lambda: {role: h.transfer_totals.remote().result() for role, h in handles.items()}  # noqa: E731
         before = totals()
@@ -374,7 +401,7 @@ def main() -> None:
                    f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                    for k, v in vars(args).items() if k not in ("out", "update_readme", "no_rsllm")),
                "lengths": args.lengths, "repeats": args.repeats, "concurrency_levels": args.concurrency,
-               "output_tokens": args.output_tokens, "kv_check": kv}
+               "output_tokens": args.output_tokens, "floor_itl_ms": args.floor_itl_ms, "kv_check": kv}
     results["latency"] = json.loads(json.dumps(latency_stats(samples)))
     results["concurrency"] = json.loads(json.dumps(concurrency))
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

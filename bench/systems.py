@@ -8,7 +8,9 @@ that system is being measured; their servers, replicas and Ray itself keep runni
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -175,3 +177,50 @@ def app_on_own_cluster(config: PDAppConfig) -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def serve_floor_app(itl_s: float, stack_cpu_cores: str | None):
+    """Ray Serve's own floor under the app: the hops a streamed token crosses in the app -- Serve's HTTP proxy, an
+    ingress replica, a handle stream from a second replica -- with no engine and no app logic behind them. The second
+    replica streams a token every `itl_s` (first one at once); whatever the client sees above that pace is Serve's
+    own cost, and the app's cost above Serve is the difference to the app's numbers in the same run. Its replicas
+    are held to the cores the app's are."""
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+
+    from app.config import cpu_set, hold_process_to
+
+    def hold() -> None:
+        if stack_cpu_cores is not None:
+            hold_process_to(cpu_set(stack_cpu_cores))
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class FixedTokens:
+        def __init__(self):
+            hold()
+
+        async def stream(self, n: int):
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(itl_s)
+                yield i
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class FloorIngress:
+        def __init__(self, tokens):
+            hold()
+            self.tokens = tokens
+
+        async def __call__(self, request: Request) -> StreamingResponse:
+            body = await request.json()
+            tokens = self.tokens.options(stream=True).stream.remote(body["max_tokens"])
+
+            async def sse():
+                async for i in tokens:
+                    yield "data: " + json.dumps({"choices": [{"index": 0, "text": " x", "token_ids": [i]}]}) + "\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+    return FloorIngress.bind(FixedTokens.bind())
