@@ -6,7 +6,7 @@ ingress wrote into `kv_transfer_params`. What this adds on top of vLLM:
 - the transfer id travels with push registrations and finished push blocks, so the worker matches them by the id
   the ingress generated, never by request-id similarity;
 - each pending decode-side receive is tagged with its mode for the worker (metadata `transfer_modes`);
-- a step with no model work pauses briefly (see `IDLE_STEP_PAUSE_S`);
+- a step with no model work pauses, the longer the longer the engine has waited (kv/step_spin.py);
 - a pull request reaching decode too late to read its KV is failed (or recomputed, per policy), never read;
 - a push request that ends while decode waits for its WRITE withdraws its registration (see kv/push_matching.py);
 - the answer of a finished request states the mode that was really used and its transfer id.
@@ -26,18 +26,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import Nix
 from vllm.logger import init_logger
 
 from kv.push_matching import withdrawal_of
-from kv.step_spin import limit_step_spin
+from kv.step_spin import IdleStepPause, engine_input_queue, limit_step_spin
 from kv.transfer_config import SIDE_CHANNEL_PORT_KEY
 from kv.transfer_params import LEASE_EXPIRES_AT_KEY, MODE_KEY, TRANSFER_ID_KEY
 
 logger = init_logger(__name__)
-
-# A step with no model work only checks on transfers the peer engine is doing (a push receive waits for a whole
-# prefill). vLLM steps again at once, and its engine process busy-waits for each step's result on whatever core is
-# free -- the other engine's core included -- so that a push receive slowed the prefill it waited for. Pausing
-# here instead leaves the waiting to the worker, which stays on its engine's own cores. The pause bounds how late
-# a new request or a finished transfer is noticed.
-IDLE_STEP_PAUSE_S = 0.001
 
 
 def transfer_mode(params: dict[str, Any] | None) -> str:
@@ -52,6 +45,7 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         # The engine's own port (kv/engine_identity.py says why it is not read from the environment); the listener
         # that binds it starts later, once the workers' handshake metadata is known.
         self.side_channel_port = extra[SIDE_CHANNEL_PORT_KEY] + vllm_config.parallel_config.data_parallel_index
+        self._idle_pause = IdleStepPause(engine_input_queue())
         spin_s = extra.get("step_spin_s")
         if spin_s is not None:  # the engine-core process waits for each step's result here
             limit_step_spin(spin_s)
@@ -142,6 +136,11 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
                 answer[TRANSFER_ID_KEY] = params[TRANSFER_ID_KEY]
         return delay_free, answer
 
+    def update_connector_output(self, connector_output) -> None:
+        super().update_connector_output(connector_output)
+        if connector_output.finished_recving or connector_output.finished_sending:
+            self._idle_pause.transfer_ended()
+
     def _note_new_receive(self, request) -> None:
         if request.request_id in self._reqs_need_recv:
             self._recv_modes[request.request_id] = transfer_mode(request.kv_transfer_params)
@@ -153,6 +152,5 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         meta.expired_pulls = {rid for rid in meta.reqs_to_recv if rid in self._expired_pulls}
         meta.push_withdrawals, self._withdrawals = self._withdrawals, {}
         self._expired_pulls -= meta.expired_pulls
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            time.sleep(IDLE_STEP_PAUSE_S)
+        self._idle_pause.after_step(model_work=scheduler_output.total_num_scheduled_tokens > 0)
         return meta
