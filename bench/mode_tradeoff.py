@@ -10,9 +10,10 @@ Starts the app on a Ray cluster of its own. Scenarios:
   and auto, interleaved, one at a time (4 output tokens);
 - a burst (`--burst N`, 0 for none): on an idle app, `--repeats` times for each length and each mode, interleaved,
   N probes of that length sent at once.
-Per probe: its TTFT as the ingress stamps it (`pd_timings`), as the client sees it, and the worst gap between two
-tokens of any background stream that overlaps the probe. Prints medians per (scenario, length, mode), auto's
-choices, and auto's ratio to the best fixed mode.
+Per probe: its TTFT as the ingress stamps it (`pd_timings`), as the client sees it, its prefill's compute time
+(the prefill engine's own stamps), and the worst gap between two tokens of any background stream that overlaps the
+probe. Prints medians per (scenario, length, mode), auto's choices, auto's ratio to the best fixed mode, and how
+much slower a pull probe's prefill computes beside decoding streams than with none.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ async def probe(client: httpx.AsyncClient, target: Target, mode: str, prompt: li
     ended = time.perf_counter()
     return {"mode": mode, "served": sample.decision.get("mode"), "reason": sample.decision.get("reason"),
             "ttft_ingress_ms": sample.phases_ms.get("ttft"), "ttft_client_ms": sample.ttft * 1e3,
+            "prefill_compute_ms": sample.phases_ms.get("prefill_compute"),
             "worst_gap_ms": background.worst_gap(started, ended) * 1e3}
 
 
@@ -145,7 +147,23 @@ def report(results: list[dict], console: Console) -> str:
             table.add_row(*row)
             lines.append("| " + " | ".join(row) + " |")
     console.print(table)
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *prefill_slowdown(results)])
+
+
+def prefill_slowdown(results: list[dict]) -> list[str]:
+    """A pull probe's prefill compute p50 in each scenario against the scenario with no background streams: the
+    prefill engine has its core, but the streams' serving stack may share it."""
+    pulls = [r for r in results if r["mode"] == "pull" and r["prefill_compute_ms"] is not None]
+    idle = {length: median([r for r in pulls if (r["scenario"], r["length"]) == ("0 streams", length)],
+                           "prefill_compute_ms")
+            for length in {r["length"] for r in pulls if r["scenario"] == "0 streams"}}
+    lines = ["| scenario | prompt tokens | pull prefill compute p50, ms | vs no streams |", "|---|---|---|---|"]
+    for scenario in dict.fromkeys(r["scenario"] for r in pulls):
+        for length in sorted({r["length"] for r in pulls if r["scenario"] == scenario}):
+            ms = median([r for r in pulls if (r["scenario"], r["length"]) == (scenario, length)], "prefill_compute_ms")
+            lines.append(f"| {scenario} | {length} | {ms:.0f} | "
+                         f"{f'{ms / idle[length]:.2f}x' if length in idle else '-'} |")
+    return lines
 
 
 def main() -> None:
