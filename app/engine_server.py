@@ -58,6 +58,7 @@ class EngineServer:
         self.model_id = engine.model_loading_config.model_id
         self.stats = EngineStatsRecorder()
         self.requests = RequestLoad()
+        self._last_load: tuple[dict, float] = ({}, time.time())
         args = AsyncEngineArgs(
             model=resolve_model_source(engine.model_loading_config.model_source),
             served_model_name=[self.model_id],
@@ -78,8 +79,12 @@ class EngineServer:
                 "pp_size": parallel.pipeline_parallel_size}
 
     def load(self) -> dict:
-        """The engine's load, stamped with when it was read (the ingress adds what it sent since, app/routing.py)."""
-        return {**self.stats.load(), **self.requests.load(), "at": time.time()}
+        """The engine's load, stamped with when it last changed (the ingress adds what it sent since, app/routing.py).
+        An idle engine's report stays the same, so Serve's controller does not pass it on to every router."""
+        load = {**self.stats.load(), **self.requests.load()}
+        if load != self._last_load[0]:
+            self._last_load = (load, time.time())
+        return {**load, "at": self._last_load[1]}
 
     def record_routing_stats(self) -> dict:
         """What Serve's request router ranks this replica by, and the ingress's mode policy reads (app/routing.py)."""

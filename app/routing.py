@@ -1,9 +1,10 @@
 """Which engine replica gets a leg: Ray Serve's request-router extension point, fed by the load engines report.
 
 Each engine replica reports its engine's load (`EngineServer.record_routing_stats`: requests running and waiting in
-the engine, share of KV cache in use, prompt tokens queued, streams decoding) every `ROUTING_STATS_PERIOD_S`. The
-router adds the legs this process sent the replica since that report (`load`), so that a burst is not ranked on a
-picture from before it; the ingress's mode policy reads the same loads (app/replica_view.py). The router ranks
+the engine, share of KV cache in use, prompt tokens queued, streams decoding) every `ROUTING_STATS_PERIOD_S`,
+stamped with when that load last changed (Serve's controller passes a report on to the routers only when it
+changed). The router adds the legs this process sent the replica since then (`load`), so that a burst is not ranked
+on a picture from before it; the ingress's mode policy reads the same loads (app/replica_view.py). The router ranks
 replicas by what Serve cannot see itself: requests waiting inside the engine plus streams it is decoding first (a
 new leg waits behind the former and, on a decode engine, its prompt or KV admission stalls the latter; the mode
 policy picks the decode replica it binds in the same order), then KV cache in use, in tenths. Among replicas of
@@ -36,7 +37,8 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from app import replica_view
 
 ROUTING_STATS_PERIOD_S = 0.2
-# A leg sent to a replica counts on top of its report until a report newer than the leg arrives, or this long after.
+# A leg sent to a replica counts on top of its report until a report of a load that changed after the leg was sent
+# arrives (the leg reached the engine), or this long after.
 SENT_LEG_MAX_AGE_S = 5 * ROUTING_STATS_PERIOD_S
 
 

@@ -238,6 +238,20 @@ def test_each_engine_has_its_own_transfer_identity(app):
                                                          "decoding", "at"}
 
 
+def test_an_idle_engine_reports_the_same_load_until_its_load_changes(app):
+    """Serve's controller passes a replica's report on to every router only when it changed."""
+    reports = [app.engine_call("decode", "load")]
+    deadline = time.monotonic() + 30  # whatever the tests before left running ends
+    while time.monotonic() < deadline and (len(reports) < 2 or reports[-1] != reports[-2]):
+        time.sleep(0.5)
+        reports.append(app.engine_call("decode", "load"))
+    assert reports[-1] == reports[-2], reports
+    body = {"model": MODEL, "prompt": CASES[1].prompt, "max_tokens": 60, "ignore_eos": True}
+    _stream_text(app.base_url, "/v1/completions", body)  # long enough for Serve to read the load while it runs
+    time.sleep(1)
+    assert app.engine_call("decode", "load")["at"] > reports[-1]["at"]
+
+
 BAD_REQUESTS = {
     "malformed-json": ("/v1/completions", b'{"model": "tiny-qwen3", "prompt": ', 400),
     "not-an-object": ("/v1/completions", b"[1, 2]", 400),
