@@ -179,6 +179,10 @@ def app_on_own_cluster(config: PDAppConfig) -> Iterator[str]:
         ray.shutdown()
 
 
+# Serve's default of 5 requests in flight per replica would queue a concurrency sweep at the floor's own ingress.
+FLOOR_MAX_ONGOING = 1000
+
+
 def serve_floor_app(itl_s: float, stack_cpu_cores: str | None):
     """Ray Serve's own floor under the app: the hops a streamed token crosses in the app -- Serve's HTTP proxy, an
     ingress replica, a handle stream from a second replica -- with no engine and no app logic behind them. The second
@@ -195,7 +199,7 @@ def serve_floor_app(itl_s: float, stack_cpu_cores: str | None):
         if stack_cpu_cores is not None:
             hold_process_to(cpu_set(stack_cpu_cores))
 
-    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=FLOOR_MAX_ONGOING)
     class FixedTokens:
         def __init__(self):
             hold()
@@ -206,7 +210,7 @@ def serve_floor_app(itl_s: float, stack_cpu_cores: str | None):
                     await asyncio.sleep(itl_s)
                 yield i
 
-    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=FLOOR_MAX_ONGOING)
     class FloorIngress:
         def __init__(self, tokens):
             hold()
