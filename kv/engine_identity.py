@@ -26,7 +26,8 @@ LISTEN_PORTS_FROM = 20000
 def ephemeral_ports() -> range:
     """The ports the OS hands to outgoing connections and to binds of port 0 (Linux's; IANA's elsewhere)."""
     try:
-        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
     except OSError:
         low, high = 49152, 65535
     return range(low, high + 1)
@@ -38,14 +39,15 @@ def free_port(host: str) -> int:
     connection on the machine; ports between Ray's and the ephemeral range are taken only by listeners that chose
     them, so the port is drawn from there at random (or from the OS where that gap is empty)."""
     gap = range(LISTEN_PORTS_FROM, ephemeral_ports().start)
-    for port in random.sample(gap, min(len(gap), 64)) or [0]:
+    tries = random.sample(gap, min(len(gap), 64)) or [0]
+    for port in tries:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
             return s.getsockname()[1]
-    raise OSError(f"no free port on {host} in {gap.start}-{gap.stop - 1}")
+    raise OSError(f"no free port on {host}: tried {len(tries)} of {gap.start}-{gap.stop - 1} (or the OS's choice)")
 
 
 def claim_identity(role: str, host: str, port_in_env: bool) -> TransferIdentity:

@@ -60,4 +60,3 @@ def test_a_free_port_is_listened_on_until_shutdown():
     scheduler._stop_event.set()
     scheduler._nixl_handshake_listener_t.join(timeout=10)
     assert not scheduler._nixl_handshake_listener_t.is_alive()
-
