@@ -6,7 +6,8 @@ ingress wrote into `kv_transfer_params`. What this adds on top of vLLM:
 - the transfer id travels with push registrations and finished push blocks, so the worker matches them by the id
   the ingress generated, never by request-id similarity;
 - each pending decode-side receive is tagged with its mode for the worker (metadata `transfer_modes`);
-- a step with no model work pauses, the longer the longer the engine has waited (kv/step_spin.py);
+- a step with no model work pauses, longer the longer the engine has waited (kv/step_spin.py);
+- on a CPU engine, a step's transfers start before its forward pass, not after it;
 - a pull request reaching decode too late to read its KV is failed (or recomputed, per policy), never read;
 - a push request that ends while decode waits for its WRITE withdraws its registration (see kv/push_matching.py);
 - the answer of a finished request states the mode that was really used and its transfer id.
@@ -46,6 +47,11 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         # that binds it starts later, once the workers' handshake metadata is known.
         self.side_channel_port = extra[SIDE_CHANNEL_PORT_KEY] + vllm_config.parallel_config.data_parallel_index
         self._idle_pause = IdleStepPause(engine_input_queue())
+        # vLLM starts a step's transfers after launching its forward pass, which on a GPU returns at once; a CPU
+        # forward pass returns when it is done, so a transfer waited a whole step to start: a finished push
+        # request's WRITE, a pull request's READ, a push request's registration -- a step each (0.5-1 s for a
+        # busy prefill engine). On CPU, a step with transfers to start starts them first.
+        self._transfers_before_forward = vllm_config.device_config.device_type == "cpu"
         spin_s = extra.get("step_spin_s")
         if spin_s is not None:  # the engine-core process waits for each step's result here
             limit_step_spin(spin_s)
@@ -152,5 +158,7 @@ class DualModeScheduler(NixlPushConnectorScheduler, NixlPullConnectorScheduler):
         meta.expired_pulls = {rid for rid in meta.reqs_to_recv if rid in self._expired_pulls}
         meta.push_withdrawals, self._withdrawals = self._withdrawals, {}
         self._expired_pulls -= meta.expired_pulls
+        if self._transfers_before_forward and (meta.reqs_to_recv or meta.push_finished_blocks or meta.push_withdrawals):
+            scheduler_output.has_sync_kv_loads = True
         self._idle_pause.after_step(model_work=scheduler_output.total_num_scheduled_tokens > 0)
         return meta

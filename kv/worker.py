@@ -11,7 +11,8 @@ one agent, one set of registered KV regions and one handshake table. What this c
   answers that no WRITE will come, and decode frees the blocks then rather than at the deadline.
 - The engine keeps the CPU cores it was given (vLLM's worker re-pins the engine thread to the last core), and the
   agent runs without NIXL's busy-polling progress thread unless configured: the engines' own steps and the writer
-  thread drive transfers, so an idle engine burns next to no CPU: its writer thread checks for notices every
+  thread drive transfers, and a prefill engine polls its WRITEs in flight every millisecond until they are done
+  (`_drive_writes`), so an idle engine burns next to no CPU: its writer thread checks for notices every
   `NOTICE_POLL_S`. (Steps with no model work are paced by the scheduler.)
 - Handshakes are always full (descriptors included): a peer reached first for a push may later be read from.
 
@@ -51,6 +52,8 @@ DEFAULT_PUSH_TIMEOUT_S = 20.0
 # request was just aborted) would not read a decode engine's withdrawal until its next request. Waking it this
 # often bounds that; each wake only checks for notices.
 NOTICE_POLL_S = 0.05
+# How often a prefill engine drives its WRITEs in flight (see `_drive_writes`).
+WRITE_PROGRESS_S = 0.001
 # Stamped into each push registration as it arrives at prefill (monotonic seconds); never sent anywhere.
 RECEIVED_AT_KEY = "_received_at"
 
@@ -86,10 +89,36 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
         # Decode side, writer thread only: receives withdrawn while their registration waited for a handshake.
         self._withdrawn_unsent: set[str] = set()
         threading.Thread(target=self._wake_writer_periodically, daemon=True, name="nixl-notice-poll").start()
+        # Prefill side: set when a WRITE is posted, cleared by `_drive_writes` once none is in flight.
+        self._writes_posted = threading.Event()
+        threading.Thread(target=self._drive_writes, daemon=True, name="nixl-write-progress").start()
 
     def _wake_writer_periodically(self) -> None:
         while not self._push_writer_stop.wait(NOTICE_POLL_S):
             self._push_writer_wake.set()
+
+    def _drive_writes(self) -> None:
+        """Without NIXL's progress thread, a posted WRITE completes -- and its notice reaches decode -- only when
+        someone polls its state, which vLLM does once per engine step. A busy prefill engine steps every 0.5-1 s
+        here, so push requests waited a step or two for their KV after prefill had answered (their second token
+        1-2 s after the first at 16 streams). This thread polls every WRITE in flight each `WRITE_PROGRESS_S`
+        until none is; the engine's step still collects them and frees their blocks."""
+        settled: set[tuple[str, object]] = set()  # (request, handle): polled to its end, left for the step to collect
+        while self._writes_posted.wait():
+            with self._sending_transfers_lock:  # the engine's step releases handles under the same lock
+                in_flight = {(rid, h) for rid, hs in self._sending_transfers.items() for h in hs}
+                settled &= in_flight
+                try:
+                    for write in in_flight - settled:
+                        if self.nixl_wrapper.check_xfer_state(write[1]) != "PROC":
+                            settled.add(write)
+                except Exception:  # noqa: BLE001 -- a failed WRITE is the engine step's to report
+                    logger.exception("polling a WRITE in flight failed")
+                    settled |= in_flight
+                if in_flight <= settled:
+                    self._writes_posted.clear()  # a WRITE posted from now on sets it again
+                    continue
+            time.sleep(WRITE_PROGRESS_S)
 
     def _ensure_handshake(self, engine_id, host, port, tp_size, dcp_size=1, pp_size=1, notif_agents_only=False):
         return super()._ensure_handshake(engine_id, host, port, tp_size, dcp_size, pp_size, notif_agents_only=False)
@@ -283,6 +312,7 @@ class DualModeWorker(NixlPushConnectorWorker, NixlPullConnectorWorker):
         if not self._push_matcher.claim_write(registration_data[TRANSFER_ID_KEY]):
             return  # decode withdrew it and was told no WRITE would come
         super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+        self._writes_posted.set()
 
     def _handle_push_reg_notif(self, notif: bytes) -> None:
         """A decode engine registered its blocks: WRITE now if prefill has finished, else keep it until then."""

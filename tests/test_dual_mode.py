@@ -125,6 +125,36 @@ def test_push_with_prefill_finishing_first(app, tokenizer, reference_outputs):
     assert grew["decode"]["external_kv_transfer"] == len(prefill_leg.prompt_token_ids)
 
 
+def _timed_push(app, prompt: list[int]) -> dict[str, float]:
+    """A push request's events on the wall clock (each from its arrival, which is taken as when it was sent)."""
+    sent = time.time()
+    response = httpx.post(app.base_url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        headers={"x-kv-transfer-mode": "push", "x-pd-timings": "1"})
+    assert response.status_code == 200, response.text
+    return {event: sent + ms / 1e3 for event, ms in response.json()["pd_timings"]["events_ms"].items()}
+
+
+def test_push_kv_crosses_while_prefill_computes_the_next_prompt(app):
+    """A finished push request's WRITE must start and end while the prefill engine computes its next prompt, not
+    after it: on a CPU a step's forward pass returns only when done, and vLLM started a step's transfers after it."""
+    prompt = [(7 * i) % 3000 + 3 for i in range(1900)]  # ~0.4 s of prefill here; max_model_len is 2048
+    before = app.totals()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(_timed_push, app, prompt)
+        time.sleep(0.1)  # the second arrives while the first computes, so it takes the next step
+        second = pool.submit(_timed_push, app, prompt[::-1])
+        a, b = first.result(), second.result()
+    # Precondition: the second prompt queued during the first's step and was computed in a later one.
+    assert b["prefill_queued"] < a["prefill_first_token"] < b["prefill_first_token"] - 0.1, (a, b)
+    # The first request's KV was at decode (its decode leg scheduled) before prefill finished the next prompt.
+    assert a["decode_scheduled"] < b["prefill_first_token"], (a, b)
+    grew = app.growth(before, app.wait_for_totals(
+        lambda t: t["prefill"]["kv_transfers"].get("push_transfers", 0)
+        >= before["prefill"]["kv_transfers"].get("push_transfers", 0) + 2))
+    assert grew["prefill"]["push_transfers"] == 2 and grew["decode"]["external_kv_transfer"] == 2 * len(prompt)
+
+
 # -- bounded lifetimes ---------------------------------------------------------------------------------------------
 
 def test_untaken_prefill_result_is_freed_at_lease_expiry(app, tokenizer):
