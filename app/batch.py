@@ -4,7 +4,8 @@
 
 Input: one request per line in OpenAI's batch format, `{"custom_id": ..., "url": "/v1/chat/completions" or
 "/v1/completions", "body": {...}}`, optionally with `"kv_transfer_mode"` (else `--mode`, else the app's default).
-Each request goes through the app's handle API (`create_stream`), at most `--concurrency` at a time. Output: one
+Requests run in service class `--class` (`batch` by default: behind interactive traffic) unless their body names
+one (`pd_class`). Each request goes through the app's handle API (`create_stream`), at most `--concurrency` at a time. Output: one
 line per request, in the order they finish: custom_id, mode, status, text, finish reason, token counts (prompt,
 completion, and prompt tokens that arrived by KV transfer), time to first token and total time; or the error. A
 summary follows on stdout, and the exit status is 1 if any request failed.
@@ -43,12 +44,12 @@ def parse_line(number: int, line: str) -> tuple[str, Any, str | None]:
     return str(item.get("custom_id", number)), validated(ENDPOINTS[url], body), item.get("kv_transfer_mode")
 
 
-async def run_request(handle, custom_id: str, request, mode: str) -> dict[str, Any]:
-    result: dict[str, Any] = {"custom_id": custom_id, "mode": mode}
+async def run_request(handle, custom_id: str, request, mode: str, pd_class: str) -> dict[str, Any]:
+    result: dict[str, Any] = {"custom_id": custom_id, "mode": mode, "class": pd_class}
     started = time.perf_counter()
     text, finish_reason, usage, first_token_s = "", None, {}, None
     try:
-        async for chunk in handle.options(stream=True).create_stream.remote(request, mode=mode):
+        async for chunk in handle.options(stream=True).create_stream.remote(request, mode=mode, pd_class=pd_class):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", ()):
@@ -65,7 +66,8 @@ async def run_request(handle, custom_id: str, request, mode: str) -> dict[str, A
             "first_token_s": first_token_s, "total_s": time.perf_counter() - started}
 
 
-async def run_batch(handle, lines: list[str], default_mode: str, concurrency: int, output: Path) -> list[dict]:
+async def run_batch(handle, lines: list[str], default_mode: str, concurrency: int, output: Path,
+                    default_class: str = "batch") -> list[dict]:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(number: int, line: str) -> dict:
@@ -74,7 +76,8 @@ async def run_batch(handle, lines: list[str], default_mode: str, concurrency: in
         except APIError as e:
             return {"custom_id": str(number), "status": e.status, "error": e.body()["error"]}
         async with gate:
-            return await run_request(handle, custom_id, request, mode or default_mode)
+            return await run_request(handle, custom_id, request, mode or default_mode,
+                                     request.pd_class or default_class)
 
     results = []
     with output.open("w") as out, tqdm(total=len(lines), desc="requests", file=sys.stderr) as progress:
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--app", default="pd", help="name of the Serve application to call")
     parser.add_argument("--mode", choices=("local", "pull", "push"), help="transfer mode for lines that name none")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    parser.add_argument("--class", dest="pd_class", default="batch",
+                        help="service class of requests whose body names none (the app's `ingress.classes`)")
     args = parser.parse_args(argv)
 
     import ray
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     default_mode = args.mode or handle.transfer_modes.remote().result()["default"]
     lines = [line for line in args.input.read_text().splitlines() if line.strip()]
     started = time.perf_counter()
-    results = asyncio.run(run_batch(handle, lines, default_mode, args.concurrency, args.output))
+    results = asyncio.run(run_batch(handle, lines, default_mode, args.concurrency, args.output, args.pd_class))
     print(summary(results, time.perf_counter() - started))
     return 0 if all(r["status"] == 200 for r in results) else 1
 

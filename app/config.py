@@ -144,6 +144,27 @@ class EngineConfig(StrictModel):
         return self
 
 
+class ServiceClass(StrictModel):
+    """A class of requests with its own latency objectives (goodput counts a request that meets both) and its place
+    in the engines' queues."""
+
+    priority: int = Field(
+        default=0, ge=-1000, le=1000, description="Passed to vLLM's priority scheduling on every leg: the engines run "
+        "waiting requests of a lower number first, and preempt the highest number first when KV blocks run out.")
+    ttft_slo_ms: float = Field(gt=0, description="Time to first token the class is promised, client-seen.")
+    tpot_slo_ms: float = Field(gt=0, description="Mean time per output token after the first, client-seen.")
+    ttft_weight: float = Field(
+        default=1.0, ge=0, description="How much the `auto` mode policy weighs this class's own TTFT against the "
+        "stall a mode imposes on running streams (`mode_policy.stall_weight`): below 1, the class takes a mode "
+        "that is cheaper for the others and slower for itself (app/mode_policy.py).")
+
+
+def default_classes() -> dict[str, ServiceClass]:
+    # On this project's CPU presets: a 1,900-token prompt prefills in ~0.4 s idle, a stream steps every 10-30 ms.
+    return {"interactive": ServiceClass(priority=0, ttft_slo_ms=2000, tpot_slo_ms=100),
+            "batch": ServiceClass(priority=10, ttft_slo_ms=30000, tpot_slo_ms=500, ttft_weight=0.25)}
+
+
 class IngressConfig(StrictModel):
     deployment_config: dict[str, Any] = Field(default_factory=dict)
     request_timeout_s: PositiveInt = Field(default=120, description="Upper bound on one request end to end.")
@@ -160,11 +181,30 @@ class IngressConfig(StrictModel):
     mode_policy: CostPriors = Field(
         default_factory=CostPriors, description="Where the `auto` mode policy's learned costs start and how it "
         "weighs a request's TTFT against the stall it imposes on running streams (app/mode_policy.py).")
+    classes: dict[str, ServiceClass] = Field(
+        default_factory=default_classes, min_length=1, description="The service classes a request may name (the "
+        "`x-pd-class` header, the body's `pd_class`, the handle API's `pd_class`).")
+    default_class: str = Field(default="interactive", description="The class of a request that names none.")
     api_key_env: str | None = Field(
         default=None,
         description="Name of an environment variable, set in the ingress replicas, holding the key clients must send "
         "as `Authorization: Bearer <key>` (OpenAI's scheme). Unset: no authentication.",
     )
+
+
+    @field_validator("classes")
+    @classmethod
+    def _class_names_are_tokens(cls, classes: dict[str, ServiceClass]) -> dict[str, ServiceClass]:
+        for name in classes:
+            if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name):
+                raise ValueError(f"class name {name!r}: lower-case letters, digits, '-' and '_', at most 32")
+        return classes
+
+    @model_validator(mode="after")
+    def _classes_are_defined(self) -> IngressConfig:
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not one of classes {sorted(self.classes)}")
+        return self
 
 
 def cpu_set(cores: str) -> set[int]:

@@ -17,6 +17,9 @@ class EngineRequest:
     kv_transfer_params: dict[str, Any] | None = None
     # Decode passes on at most one chunk per this many seconds after the first ones (app/engine_server.py).
     stream_interval_s: float = 0.0
+    # vLLM's priority scheduling: each engine runs waiting requests of a lower number first (the request's service
+    # class, app/config.py ServiceClass).
+    priority: int = 0
 
 
 @dataclass

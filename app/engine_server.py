@@ -64,7 +64,7 @@ class EngineServer:
             served_model_name=[self.model_id],
             kv_transfer_config=build_kv_transfer_config(transfer, self.identity),
             worker_extension_cls="kv.worker_extension.TransferStateExtension",
-            **engine.engine_kwargs,
+            **{"scheduling_policy": "priority", **engine.engine_kwargs},  # service classes (app/config.py)
         )
         self.engine = AsyncLLM.from_engine_args(
             args, stat_loggers=[RayPrometheusStatLogger, lambda vllm_config, engine_index: self.stats]
@@ -119,7 +119,7 @@ class EngineServer:
         self.requests.started(request.request_id, 0 if remote_kv else len(request.prompt_token_ids))
         try:
             async for output in self.engine.generate(
-                {"prompt_token_ids": request.prompt_token_ids}, params, request.request_id
+                {"prompt_token_ids": request.prompt_token_ids}, params, request.request_id, priority=request.priority
             ):
                 self.requests.produced(request.request_id)
                 yield output

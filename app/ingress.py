@@ -47,6 +47,8 @@ REASON_HEADER = "x-kv-transfer-reason"  # why the request took its mode (app/mod
 TIMINGS_HEADER = "x-pd-timings"
 # A client may ask for another interval between a stream's chunks than the configured one (app/config.py).
 STREAM_INTERVAL_HEADER = "x-pd-stream-interval-ms"
+# The request's service class (app/config.py ServiceClass); a gateway's header wins over the body's `pd_class`.
+CLASS_HEADER = "x-pd-class"
 # A replacement engine replica takes a minute or more to start; clients that honour Retry-After come back then.
 RETRY_LATER = {"Retry-After": "10"}
 
@@ -96,10 +98,12 @@ class OpenAIIngress:
         self.timeout_s = config.ingress.request_timeout_s
         self.max_request_bytes = config.ingress.max_request_bytes
         self.stream_interval_ms = config.ingress.stream_interval_ms
+        self.classes, self.default_class = config.ingress.classes, config.ingress.default_class
         self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer, config.ingress.replica_wait_s)
-        self.policy = ModePolicy(PolicyConfig(config.transfer.default_mode, config.transfer.modes,
-                                              config.ingress.mode_policy, config.decode.prefill_chunk_tokens))
+        self.policy = ModePolicy(PolicyConfig(
+            config.transfer.default_mode, config.transfer.modes, config.ingress.mode_policy,
+            config.decode.prefill_chunk_tokens, {name: c.ttft_weight for name, c in self.classes.items()}))
         self.engines = {"prefill": prefill, "decode": decode}
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.
         self.tokenizer = AutoTokenizer.from_pretrained(
@@ -164,8 +168,8 @@ class OpenAIIngress:
             body = await _parse(request, model, self.max_request_bytes)
             report_timings = request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true")
             admitted = await self._admit(body, request.headers.get(MODE_HEADER), report_timings, timeline,
-                                         request.headers.get(STREAM_INTERVAL_HEADER))
-        headers = {MODE_HEADER: admitted.mode, REASON_HEADER: admitted.decision.reason}
+                                         request.headers.get(STREAM_INTERVAL_HEADER), request.headers.get(CLASS_HEADER))
+        headers = {MODE_HEADER: admitted.mode, REASON_HEADER: admitted.decision.reason, CLASS_HEADER: admitted.pd_class}
         if body.stream:
             return StreamingResponse(self._sse(admitted), media_type="text/event-stream", headers=headers)
         return JSONResponse(await self._whole(admitted), headers=headers)
@@ -181,28 +185,35 @@ class OpenAIIngress:
         """The modes this app serves and the one a request without a mode gets."""
         return {"modes": list(self.flow.modes), "default": self.flow.default_mode}
 
+    def service_classes(self) -> dict:
+        """The service classes a request may name, with their SLOs and priorities, and the default one."""
+        return {"classes": {name: c.model_dump() for name, c in self.classes.items()}, "default": self.default_class}
+
     async def create(self, request: CompletionRequest | ChatCompletionRequest | dict, mode: str | None = None,
-                     timings: bool = False) -> dict:
+                     timings: bool = False, pd_class: str | None = None) -> dict:
         """The response body `POST /v1/completions` or `/v1/chat/completions` would return, for a request model or
         its dict (a dict with `messages` is a chat request). `mode` picks the transfer mode as the
-        `x-kv-transfer-mode` header does. Errors raise APIError, with the status HTTP would answer."""
+        `x-kv-transfer-mode` header does, `pd_class` the service class as `x-pd-class` does. Errors raise APIError,
+        with the status HTTP would answer."""
         timeline = RequestTimeline()
         with self._counting_refusals():
             body = as_request(request)
             if body.stream:
                 raise APIError(400, "stream is true: call create_stream with handle.options(stream=True)",
                                param="stream")
-            admitted = await self._admit(body, mode, timings, timeline)
+            admitted = await self._admit(body, mode, timings, timeline, pd_class=pd_class)
         return await self._whole(admitted)
 
     async def create_stream(self, request: CompletionRequest | ChatCompletionRequest | dict, mode: str | None = None,
-                            timings: bool = False, stream_interval_ms: float | None = None) -> AsyncIterator[dict]:
+                            timings: bool = False, stream_interval_ms: float | None = None,
+                            pd_class: str | None = None) -> AsyncIterator[dict]:
         """The chunk bodies HTTP would stream (without the `data:` framing and `[DONE]`), through
         `handle.options(stream=True)`. A failure after the first chunk raises APIError from the stream. Cancelling
-        the call aborts the request's legs. `stream_interval_ms` is the `x-pd-stream-interval-ms` header's."""
+        the call aborts the request's legs. `stream_interval_ms` is the `x-pd-stream-interval-ms` header's,
+        `pd_class` the `x-pd-class` header's."""
         timeline = RequestTimeline()
         with self._counting_refusals():
-            admitted = await self._admit(as_request(request), mode, timings, timeline, stream_interval_ms)
+            admitted = await self._admit(as_request(request), mode, timings, timeline, stream_interval_ms, pd_class)
         async for body in self._stream(admitted):
             yield body
 
@@ -274,9 +285,19 @@ class OpenAIIngress:
             raise _unavailable(f"no {' or '.join(down)} replica can take requests (Serve is replacing it)")
         return mode
 
-    def _decide(self, requested: TransferMode | Literal["auto"] | None, prompt_ids: list[int], params) -> Decision:
+    def _service_class(self, named: str | None, in_body: str | None) -> str:
+        """The request's service class: the header's (or the handle argument's), else the body's, else the
+        default."""
+        name = named or in_body or self.default_class
+        if name not in self.classes:
+            raise APIError(400, f"unknown service class {name!r}; this app serves {sorted(self.classes)}",
+                           param=CLASS_HEADER if named else "pd_class", code="unknown_service_class")
+        return name
+
+    def _decide(self, requested: TransferMode | Literal["auto"] | None, prompt_ids: list[int], params,
+                pd_class: str) -> Decision:
         """The mode policy's decision on this request, from the load the routers see now."""
-        features = RequestFeatures(len(prompt_ids), params.max_tokens, requested,
+        features = RequestFeatures(len(prompt_ids), params.max_tokens, requested, pd_class,
                                    seeded=self.flow.seed_first_token and can_seed(params, "pull"))
         decision = self.policy.decide(features, self.flow.replicas.snapshot())
         if decision.mode is None:
@@ -322,25 +343,28 @@ class OpenAIIngress:
         return ms / 1e3
 
     async def _admit(self, body: SamplingFields, requested_mode: str | None, report_timings: bool,
-                     timeline: RequestTimeline, stream_interval: str | float | None = None) -> Admitted:
-        """Checks the request (model, mode, prompt, length, stream interval) and starts it."""
+                     timeline: RequestTimeline, stream_interval: str | float | None = None,
+                     pd_class: str | None = None) -> Admitted:
+        """Checks the request (model, mode, class, prompt, length, stream interval) and starts it."""
         self._check_model(body.model)
         requested = self._requested(requested_mode)
+        pd_class = self._service_class(pd_class, body.pd_class)
         stream_interval_s = self._stream_interval_s(stream_interval)
         prompt_ids = await self._prompt_ids(body)
         max_tokens = await self._checked_max_tokens(body, len(prompt_ids))
         chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens),
-                                       stream_interval_s=stream_interval_s)
-        decision = self._decide(requested, prompt_ids, engine_request.sampling_params)
-        timeline.decided(decision.mode, decision.reason, decision.costs)
+                                       stream_interval_s=stream_interval_s, priority=self.classes[pd_class].priority)
+        decision = self._decide(requested, prompt_ids, engine_request.sampling_params, pd_class)
+        timeline.decided(decision.mode, decision.reason, decision.costs, pd_class)
         return Admitted(
             chunks=self.flow.stream(engine_request, decision.mode, timeline),
             writer=ResponseWriter(request_id, self.model_id, chat, body.return_token_ids),
             output=RequestOutput(len(prompt_ids), timeline, report_timings),
             mode=decision.mode,
             decision=decision,
+            pd_class=pd_class,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
 
@@ -422,6 +446,7 @@ class Admitted:
     output: RequestOutput
     mode: TransferMode
     decision: Decision
+    pd_class: str
     include_usage: bool
 
 

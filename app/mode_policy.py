@@ -107,7 +107,6 @@ class CostPriors:
     kv_bytes_per_token: int = 4096  # layers x KV heads x head size x 2 (K and V) x dtype bytes
     admit_step_s: float = 0.01  # one decode step that takes a new request's KV in
     stall_weight: float = 1.0  # a second of a stream's stall against a second of the new request's TTFT
-    ttft_weight: Mapping[str, float] = field(default_factory=lambda: {"interactive": 1.0, "batch": 0.25})
     push_kv_limit: float = 0.9  # push holds decode blocks while prefill runs: not onto a decode fuller than this
     learning_rate: float = 0.2  # weight of each new observation in the learned coefficients
     min_samples: int = 3  # an option seen fewer times than this at a load level is worth exploring there
@@ -116,8 +115,8 @@ class CostPriors:
     def __post_init__(self):
         if set(self.hop_s) != set(MODES) or min(self.hop_s.values()) < 0:
             raise ValueError(f"hop_s needs a non-negative cost for each of {list(MODES)}, got {dict(self.hop_s)}")
-        if min(self.ttft_weight.values(), default=1.0) < 0 or self.stall_weight < 0:
-            raise ValueError("ttft_weight and stall_weight must not be negative")
+        if self.stall_weight < 0:
+            raise ValueError("stall_weight must not be negative")
         if not 0 < self.learning_rate <= 1:
             raise ValueError(f"learning_rate must be in (0, 1], got {self.learning_rate}")
 
@@ -219,6 +218,8 @@ class PolicyConfig:
     modes: tuple[Mode, ...] = MODES  # the modes the engines serve (local always)
     priors: CostPriors = CostPriors()
     decode_chunk_tokens: int | None = None  # the most prompt tokens a decode engine computes for one request a step
+    # Per service class: its own TTFT's weight against the stall it imposes (a class not named weighs 1).
+    ttft_weight: Mapping[str, float] = field(default_factory=lambda: {"interactive": 1.0, "batch": 0.25})
 
 
 class ModePolicy:
@@ -275,7 +276,7 @@ class ModePolicy:
 
     def _costs(self, request: RequestFeatures, best: _BestReplicas) -> dict[Mode, OptionCost]:
         priors, model, decode = self.config.priors, self.model, best.decode
-        weight = priors.ttft_weight.get(request.qos_class, 1.0)
+        weight = self.config.ttft_weight.get(request.qos_class, 1.0)
         tokens = request.prompt_tokens
         costs: dict[Mode, OptionCost] = {}
         for mode in self.config.modes:

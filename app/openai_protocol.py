@@ -69,6 +69,8 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    # The request's service class (app/config.py), unless the `x-pd-class` header names one.
+    pd_class: str | None = Field(default=None, max_length=64)
     # Accepted only to refuse it clearly: transfer internals are the app's business, never the client's.
     kv_transfer_params: Any = None
 

@@ -191,9 +191,8 @@ class RequestFlow:
     def _dispatch_prefill(self, request: EngineRequest, seeded: bool, timeline: RequestTimeline,
                           transfer: tuple[TransferMode, str] | None) -> Leg:
         """`transfer`: the mode and transfer id under which prefill keeps the prompt's KV; None keeps nothing."""
-        leg = EngineRequest(request.request_id, request.prompt_token_ids,
-                            prefill_sampling(request.sampling_params, seeded),
-                            prefill_params(*transfer) if transfer else None)
+        leg = replace(request, sampling_params=prefill_sampling(request.sampling_params, seeded),
+                      kv_transfer_params=prefill_params(*transfer) if transfer else None, stream_interval_s=0.0)
         timeline.dispatched("prefill")
         return self._leg("prefill", self.prefill.prefill.remote(leg), len(request.prompt_token_ids))
 

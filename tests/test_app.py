@@ -148,6 +148,42 @@ def test_a_stream_interval_that_is_not_a_valid_number_of_ms_gets_a_400(app, inte
     assert response.status_code == 400 and response.json()["error"]["param"] == "x-pd-stream-interval-ms"
 
 
+def _timed(base_url: str, prompt: list[int], headers: dict, **body) -> tuple[str, dict[str, float]]:
+    """The request's service class as answered, and its events on the wall clock (from its arrival, taken as when
+    it was sent)."""
+    sent = time.time()
+    response = httpx.post(base_url + "/v1/completions", timeout=120, headers={"x-pd-timings": "1", **headers},
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    events = response.json()["pd_timings"]["events_ms"]
+    return response.headers["x-pd-class"], {event: sent + ms / 1e3 for event, ms in events.items()}
+
+
+def test_an_interactive_request_overtakes_batch_work_queued_on_the_engine(app):
+    """The class reaches vLLM's priority scheduling: an interactive prompt arriving behind queued batch prompts
+    is computed before those still waiting (first come, first served would compute it last)."""
+    prompts = [[(i * 31 + k) % 3000 + 3 for k in range(1900)] for i in range(7)]  # ~0.4 s of prefill each here
+    pull = {"x-kv-transfer-mode": "pull"}
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        batch = [pool.submit(_timed, app.base_url, p, pull, pd_class="batch") for p in prompts[:-1]]
+        time.sleep(0.3)
+        interactive = pool.submit(_timed, app.base_url, prompts[-1], {**pull, "x-pd-class": "interactive"},
+                                  pd_class="batch")  # the header wins over the body
+        (klass, first), batch = interactive.result(), [f.result() for f in batch]
+    assert klass == "interactive" and {k for k, _ in batch} == {"batch"}
+    waiting = [events for _, events in batch if events["prefill_scheduled"] > first["prefill_queued"]]
+    assert waiting, "no batch prompt was still waiting when the interactive one arrived"
+    assert all(first["prefill_scheduled"] <= events["prefill_scheduled"] + 0.05 for events in waiting), (first, waiting)
+
+
+def test_an_unknown_service_class_gets_a_400_that_names_the_classes(app):
+    response = httpx.post(app.base_url + "/v1/completions", headers={"x-pd-class": "gold"}, timeout=30,
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "x-pd-class" and "batch" in error["message"] and "interactive" in error["message"]
+
+
 def test_the_apps_own_processes_stay_off_the_decode_engines_core(app):
     """cpu-tiny holds each engine replica, all its threads, and its engine-core process to core 0
     (stack_cpu_cores); vLLM binds each engine's worker process to the engine's own core."""

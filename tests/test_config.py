@@ -146,6 +146,23 @@ def test_the_mode_policys_starting_costs_and_weights_are_configured_and_checked(
     assert "stal_weight" in _invalid(lambda c: c.setdefault("ingress", {}).update(mode_policy={"stal_weight": 1}))
 
 
+def test_service_classes_default_to_interactive_and_batch_and_are_checked():
+    ingress = PDAppConfig.model_validate(raw_cpu_config()).ingress
+    assert ingress.default_class == "interactive"
+    interactive, batch = ingress.classes["interactive"], ingress.classes["batch"]
+    assert interactive.priority < batch.priority  # vLLM runs the lower number first
+    assert interactive.ttft_slo_ms < batch.ttft_slo_ms and batch.ttft_weight < interactive.ttft_weight
+    gold = {"gold": {"priority": -1, "ttft_slo_ms": 500, "tpot_slo_ms": 50}}
+    custom = raw_cpu_config()
+    custom["ingress"] = {"classes": gold, "default_class": "gold"}
+    assert PDAppConfig.model_validate(custom).ingress.classes["gold"].ttft_weight == 1.0
+    assert "default_class" in _invalid(lambda c: c.setdefault("ingress", {}).update(classes=gold))
+    assert "class name" in _invalid(lambda c: c.setdefault("ingress", {}).update(
+        classes={"Gold Tier": gold["gold"]}, default_class="Gold Tier"))
+    assert "ttft_slo_ms" in _invalid(lambda c: c.setdefault("ingress", {}).update(
+        classes={"gold": {"priority": 0, "tpot_slo_ms": 50}}, default_class="gold"))
+
+
 def test_the_cpu_decode_engine_prefills_long_prompts_in_chunks():
     config = PDAppConfig.model_validate(raw_cpu_config())
     assert config.decode.prefill_chunk_tokens == 256 and config.prefill.prefill_chunk_tokens is None

@@ -73,6 +73,17 @@ def test_bad_requests_raise_the_error_http_would_answer(pd, request_body, mode, 
     assert raised.value.status == status and raised.value.body()["error"]["param"] == param
 
 
+def test_the_service_class_is_a_handle_argument(pd):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "pd_class": "interactive"}
+    answer = pd.create.remote(body, timings=True, pd_class="batch").result()
+    assert answer["pd_timings"]["decision"]["class"] == "batch"  # the argument wins over the body, as the header does
+    assert pd.create.remote(body, timings=True).result()["pd_timings"]["decision"]["class"] == "interactive"
+    with pytest.raises(APIError) as raised:
+        pd.create.remote(body, pd_class="gold").result()
+    assert raised.value.status == 400 and raised.value.body()["error"]["param"] == "x-pd-class"
+    assert set(pd.service_classes.remote().result()["classes"]) == {"interactive", "batch"}
+
+
 def test_cancelling_a_handle_call_aborts_both_legs(app, pd):
     body = {"model": MODEL, "prompt": CASES[2].prompt, "max_tokens": 500, "ignore_eos": True, "temperature": 0}
     stream = pd.options(stream=True).create_stream.remote(body, mode="pull")

@@ -41,8 +41,8 @@ def test_a_batch_with_failing_requests_fails_the_job_and_keeps_the_rest(app, tmp
 
     lines = [json.dumps({"custom_id": case.name, "url": "/v1/completions", "kv_transfer_mode": mode,
                          "body": {"model": MODEL, "prompt": case.prompt, "max_tokens": case.max_tokens,
-                                  "temperature": 0}})
-             for case, mode in ((CASES[1], "push"), (CASES[2], "local"))]
+                                  "temperature": 0, **extra}})
+             for case, mode, extra in ((CASES[1], "push", {}), (CASES[2], "local", {"pd_class": "interactive"}))]
     lines += [json.dumps({"custom_id": "bad", "body": {"model": "no-such-model", "prompt": "hi"}}), "not json"]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     status, logs = run_job(
@@ -55,6 +55,8 @@ def test_a_batch_with_failing_requests_fails_the_job_and_keeps_the_rest(app, tmp
         assert results[case.name]["text"] == reference_outputs[case.name]["text"]
     assert results[CASES[1].name]["transferred_prompt_tokens"] == results[CASES[1].name]["prompt_tokens"]
     assert results[CASES[2].name]["transferred_prompt_tokens"] == 0  # local: decode computed the prompt
+    # A batch job's requests are batch class unless their body names another.
+    assert (results[CASES[1].name]["class"], results[CASES[2].name]["class"]) == ("batch", "interactive")
 
 
 def test_a_job_deploys_the_app_and_ends_while_the_app_runs_on(app, tmp_path, tokenizer):
