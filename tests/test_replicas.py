@@ -81,7 +81,9 @@ def test_after_a_decode_replica_is_killed_requests_are_served_by_the_other(url):
     for mode in ("pull", "push", "local") * 2:
         started = time.monotonic()
         result = complete(url, mode, CASES[1])
-        assert time.monotonic() - started < 2, mode
+        # Not held until Serve replaces the victim (a minute or more): at most a leg's wait for the dead replica
+        # (replica_wait_s, 1 s) and the request itself; up to 2.5 s seen under CI's load.
+        assert time.monotonic() - started < 10, mode
         served.append(result["pd_timings"]["replicas"]["decode"])
         assert mode == "local" or transferred_whole_prompt(result)
     assert victim.rsplit("#", 1)[1] not in served, served

@@ -30,6 +30,7 @@ def bare_worker(world_size: int) -> DualModeWorker:
     worker.consumer_notification_counts_by_req = defaultdict(int)
     worker.transfer_topo = SimpleNamespace()
     worker.xfer_stats = DualModeStats()
+    worker._writes_posted = threading.Event()  # what `_drive_writes` waits on
     return worker
 
 
@@ -70,6 +71,7 @@ def test_a_write_deferred_past_the_window_is_never_posted(monkeypatch, age_s, wr
     worker._do_start_push_kv("prefill-req", [[1, 2]], registration)
 
     assert posted == (["prefill-req"] if written else [])
+    assert worker._writes_posted.is_set() == written  # a posted WRITE is polled until done (`_drive_writes`)
     assert len(worker.xfer_stats.data["late_writes_dropped"]) == (0 if written else 1)
 
 
