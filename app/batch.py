@@ -27,6 +27,9 @@ from tqdm import tqdm
 from app.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validated
 
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+# A request whose class holds its share of the app's slots (429) is retried after the app's Retry-After, for up to
+# this long: batch work waits for interactive traffic rather than failing.
+DEFER_FOR_S = 600
 
 
 def parse_line(number: int, line: str) -> tuple[str, Any, str | None]:
@@ -49,7 +52,7 @@ async def run_request(handle, custom_id: str, request, mode: str, pd_class: str)
     started = time.perf_counter()
     text, finish_reason, usage, first_token_s = "", None, {}, None
     try:
-        async for chunk in handle.options(stream=True).create_stream.remote(request, mode=mode, pd_class=pd_class):
+        async for chunk in _deferred_while_shed(handle, request, mode, pd_class, started + DEFER_FOR_S):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", ()):
@@ -64,6 +67,22 @@ async def run_request(handle, custom_id: str, request, mode: str, pd_class: str)
             "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
             "transferred_prompt_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
             "first_token_s": first_token_s, "total_s": time.perf_counter() - started}
+
+
+async def _deferred_while_shed(handle, request, mode: str, pd_class: str, until: float):
+    """The request's chunks; while the app sheds its class (429 before the first chunk), it is sent again after
+    the Retry-After the app answered, until `until` (perf_counter seconds)."""
+    while True:
+        try:
+            async for chunk in handle.options(stream=True).create_stream.remote(request, mode=mode,
+                                                                                pd_class=pd_class):
+                yield chunk
+            return
+        except APIError as e:
+            wait_s = float((e.headers or {}).get("Retry-After", 1))
+            if e.status != 429 or time.perf_counter() + wait_s > until:
+                raise
+            await asyncio.sleep(wait_s)
 
 
 async def run_batch(handle, lines: list[str], default_mode: str, concurrency: int, output: Path,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +61,11 @@ def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve
 
 
 def ingress_options(config: PDAppConfig) -> dict[str, Any]:
-    """Every request holds an ingress slot for its whole life, so the ingress replicas together admit as many
-    requests as the decode replicas run at once, and queue as many more; beyond that, Serve answers 503 with a
-    Retry-After header (back-pressure) instead of letting the queue grow without bound."""
-    replicas = int(config.ingress.deployment_config.get("num_replicas", 1))
-    share = math.ceil(config.decode.max_replicas * config.decode.max_num_seqs / replicas)
-    options = {"max_ongoing_requests": share, "max_queued_requests": share, **config.ingress.deployment_config}
+    """The ingress replicas admit as many requests as the decode replicas run at once (`ingress_slots`), and queue
+    as many more; beyond that, Serve answers 503 with a Retry-After header (back-pressure) instead of letting the
+    queue grow without bound."""
+    slots = config.ingress_slots
+    options = {"max_ongoing_requests": slots, "max_queued_requests": slots, **config.ingress.deployment_config}
     return {**options, "ray_actor_options": with_serve_env(options.get("ray_actor_options", {}))}
 
 

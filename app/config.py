@@ -8,6 +8,7 @@ crosses between the two sides.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from pathlib import Path
@@ -153,6 +154,10 @@ class ServiceClass(StrictModel):
         "waiting requests of a lower number first, and preempt the highest number first when KV blocks run out.")
     ttft_slo_ms: float = Field(gt=0, description="Time to first token the class is promised, client-seen.")
     tpot_slo_ms: float = Field(gt=0, description="Mean time per output token after the first, client-seen.")
+    max_share: float = Field(
+        default=1.0, gt=0, le=1, description="The share of an ingress replica's request slots (as many as the "
+        "decode engines run at once) that requests of this class may hold; past it, a new one gets a 429 with "
+        "Retry-After. Below 1 for batch work, so that it never fills the slots interactive requests need.")
     ttft_weight: float = Field(
         default=1.0, ge=0, description="How much the `auto` mode policy weighs this class's own TTFT against the "
         "stall a mode imposes on running streams (`mode_policy.stall_weight`): below 1, the class takes a mode "
@@ -162,7 +167,7 @@ class ServiceClass(StrictModel):
 def default_classes() -> dict[str, ServiceClass]:
     # On this project's CPU presets: a 1,900-token prompt prefills in ~0.4 s idle, a stream steps every 10-30 ms.
     return {"interactive": ServiceClass(priority=0, ttft_slo_ms=2000, tpot_slo_ms=100),
-            "batch": ServiceClass(priority=10, ttft_slo_ms=30000, tpot_slo_ms=500, ttft_weight=0.25)}
+            "batch": ServiceClass(priority=10, ttft_slo_ms=30000, tpot_slo_ms=500, max_share=0.5, ttft_weight=0.25)}
 
 
 class IngressConfig(StrictModel):
@@ -266,6 +271,15 @@ class PDAppConfig(StrictModel):
     @property
     def model_id(self) -> str:
         return self.prefill.model_loading_config.model_id
+
+    @property
+    def ingress_slots(self) -> int:
+        """Requests one ingress replica holds at once: unless its deployment_config says otherwise, the ingress
+        replicas together hold as many as the decode replicas run at once (every request holds its slot for its
+        whole life)."""
+        replicas = int(self.ingress.deployment_config.get("num_replicas", 1))
+        share = math.ceil(self.decode.max_replicas * self.decode.max_num_seqs / replicas)
+        return int(self.ingress.deployment_config.get("max_ongoing_requests", share))
 
 
 def load_config(path: str | Path) -> PDAppConfig:

@@ -10,6 +10,7 @@ import os
 import logging
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import AsyncGenerator, AsyncIterator, Literal
 
@@ -21,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from transformers import AutoTokenizer
 
+from app.admission import ClassAdmission
 from app.config import PDAppConfig, cpu_set, hold_process_to
 from app.engine_protocol import EngineChunk, EngineRequest
 from app.first_token import can_seed
@@ -51,6 +53,8 @@ STREAM_INTERVAL_HEADER = "x-pd-stream-interval-ms"
 CLASS_HEADER = "x-pd-class"
 # A replacement engine replica takes a minute or more to start; clients that honour Retry-After come back then.
 RETRY_LATER = {"Retry-After": "10"}
+# A class at its share of the slots has one back as soon as any of its requests ends.
+RETRY_SOON = {"Retry-After": "1"}
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -99,6 +103,7 @@ class OpenAIIngress:
         self.max_request_bytes = config.ingress.max_request_bytes
         self.stream_interval_ms = config.ingress.stream_interval_ms
         self.classes, self.default_class = config.ingress.classes, config.ingress.default_class
+        self.admission = ClassAdmission(config.ingress_slots, {name: c.max_share for name, c in self.classes.items()})
         self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer, config.ingress.replica_wait_s)
         self.policy = ModePolicy(PolicyConfig(
@@ -356,9 +361,17 @@ class OpenAIIngress:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens),
                                        stream_interval_s=stream_interval_s, priority=self.classes[pd_class].priority)
-        decision = self._decide(requested, prompt_ids, engine_request.sampling_params, pd_class)
+        if not self.admission.try_take(pd_class):
+            raise APIError(429, f"service class {pd_class!r} holds its share of this server's request slots "
+                           f"({self.admission.limits[pd_class]}); retry shortly", "rate_limit_error",
+                           code="class_at_capacity", headers=RETRY_SOON)
+        try:
+            decision = self._decide(requested, prompt_ids, engine_request.sampling_params, pd_class)
+        except BaseException:
+            self.admission.release(pd_class)
+            raise
         timeline.decided(decision.mode, decision.reason, decision.costs, pd_class)
-        return Admitted(
+        admitted = Admitted(
             chunks=self.flow.stream(engine_request, decision.mode, timeline),
             writer=ResponseWriter(request_id, self.model_id, chat, body.return_token_ids),
             output=RequestOutput(len(prompt_ids), timeline, report_timings),
@@ -367,6 +380,9 @@ class OpenAIIngress:
             pd_class=pd_class,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
+        # The slot is given back when the request ends (`_run`), or when its answer is dropped unread.
+        admitted.release_slot = weakref.finalize(admitted, self.admission.release, pd_class)
+        return admitted
 
     async def _run(self, admitted: Admitted) -> AsyncIterator[EngineChunk]:
         """The request's chunks, recorded in its output: APIError 504 past the time limit, 500 if it fails. However
@@ -391,6 +407,7 @@ class OpenAIIngress:
             logger.exception("request %s failed", admitted.writer.request_id)
             raise APIError(500, f"request failed: {e!r}", "server_error") from e
         finally:
+            admitted.release_slot()
             await admitted.chunks.aclose()
             self.metrics.finished(admitted.mode, admitted.decision.reason, outcome, admitted.output.timeline,
                                   len(admitted.output.token_ids))
@@ -448,6 +465,7 @@ class Admitted:
     decision: Decision
     pd_class: str
     include_usage: bool
+    release_slot: weakref.finalize | None = None
 
 
 class RequestOutput:

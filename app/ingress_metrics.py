@@ -2,7 +2,7 @@
 many are in flight. Ray exports each as `ray_<name>` (README lists them as Prometheus shows them).
 
 Every request is counted once under its outcome: refused before it started (mode `none`; `invalid` for a 4xx,
-`unavailable` for a 503), or once it ends: `ok`, `timeout` (504), `unavailable` (a leg's replica died under it and
+`shed` for a 429 -- its service class held its share of the slots --, `unavailable` for a 503), or once it ends: `ok`, `timeout` (504), `unavailable` (a leg's replica died under it and
 no other could take it: 503 or an error event), `error` (an engine failed it), `cancelled` (the caller went away).
 """
 
@@ -24,6 +24,8 @@ NOT_STARTED = "none"
 def refusal_outcome(status: int) -> str:
     if status == 503:
         return "unavailable"  # a leg has no running replica
+    if status == 429:
+        return "shed"  # its service class holds its share of the slots (app/admission.py)
     return "invalid" if status < 500 else "error"
 
 

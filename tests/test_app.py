@@ -15,7 +15,7 @@ import openai
 import psutil
 import pytest
 
-from conftest import CASES, ROOT, Case
+from conftest import CASES, ROOT, Case, app_config
 
 pytestmark = pytest.mark.engines
 MODEL = "tiny-qwen3"
@@ -174,6 +174,33 @@ def test_an_interactive_request_overtakes_batch_work_queued_on_the_engine(app):
     waiting = [events for _, events in batch if events["prefill_scheduled"] > first["prefill_queued"]]
     assert waiting, "no batch prompt was still waiting when the interactive one arrived"
     assert all(first["prefill_scheduled"] <= events["prefill_scheduled"] + 0.05 for events in waiting), (first, waiting)
+
+
+def _batch_stream(base_url: str, prompt: list[int]) -> tuple[httpx.Response, float]:
+    """A long batch stream read to its end: the response (its body read) and when it ended."""
+    with httpx.stream("POST", base_url + "/v1/completions", timeout=120, headers={"x-pd-class": "batch"}, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}) as response:
+        response.read()
+    return response, time.time()
+
+
+def test_a_batch_burst_past_its_share_is_shed_with_429_and_an_interactive_request_still_gets_in(app):
+    share = app_config()["decode"]["engine_kwargs"]["max_num_seqs"] // 2  # batch's max_share of one ingress's slots
+    burst = share + 8
+    with concurrent.futures.ThreadPoolExecutor(burst) as pool:
+        batch = [pool.submit(_batch_stream, app.base_url, [(i * 17 + k) % 3000 + 3 for k in range(64)])
+                 for i in range(burst)]
+        time.sleep(1.0)  # the whole burst has arrived; 200 tokens take several seconds to stream
+        klass, _ = _timed(app.base_url, [5] * 64, {"x-pd-class": "interactive"})
+        interactive_done = time.time()
+        answers = [f.result() for f in batch]
+    assert sorted(r.status_code for r, _ in answers) == [200] * share + [429] * (burst - share)
+    assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "class_at_capacity"
+               for r, _ in answers if r.status_code == 429)
+    # The interactive request was served while the batch streams still ran, not after them.
+    assert klass == "interactive" and interactive_done < max(ended for r, ended in answers if r.status_code == 200)
+    loads = app.wait_until_idle(timeout_s=60)
+    assert all(load["kv_cache_usage"] == 0 and load["running"] == 0 for load in loads.values()), loads
 
 
 def test_an_unknown_service_class_gets_a_400_that_names_the_classes(app):
