@@ -409,8 +409,8 @@ class OpenAIIngress:
         finally:
             admitted.release_slot()
             await admitted.chunks.aclose()
-            self.metrics.finished(admitted.mode, admitted.decision.reason, outcome, admitted.output.timeline,
-                                  len(admitted.output.token_ids))
+            self.metrics.finished(admitted.mode, admitted.decision.reason, admitted.pd_class, outcome,
+                                  admitted.output.timeline, len(admitted.output.token_ids))
             if outcome == "ok":
                 self._learn(admitted)
 

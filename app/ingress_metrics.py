@@ -32,22 +32,24 @@ def refusal_outcome(status: int) -> str:
 class IngressMetrics:
     def __init__(self):
         by_mode = ("mode",)
+        by_mode_and_class = ("mode", "class")  # the service class (app/config.py): SLOs are per class
         self.phase_seconds = metrics.Histogram(
             "pd_request_phase_seconds", description="Time a request spent in each phase (app/timeline.py), by mode.",
             boundaries=[0.001, 0.0025, 0.005, *SECONDS[1:]], tag_keys=("phase", "mode"))
         self.first_token_seconds = metrics.Histogram(
             "pd_time_to_first_token_seconds", description="From a request's arrival to its first token sent.",
-            boundaries=SECONDS, tag_keys=by_mode)
+            boundaries=SECONDS, tag_keys=by_mode_and_class)
         self.output_token_seconds = metrics.Histogram(
             "pd_time_per_output_token_seconds",
             description="A request's mean time per output token after the first (requests with two tokens or more).",
-            boundaries=TOKEN_SECONDS, tag_keys=by_mode)
+            boundaries=TOKEN_SECONDS, tag_keys=by_mode_and_class)
         self.latency_seconds = metrics.Histogram(
             "pd_request_latency_seconds", description="From a request's arrival to its end, whatever the outcome.",
-            boundaries=SECONDS, tag_keys=by_mode)
+            boundaries=SECONDS, tag_keys=by_mode_and_class)
         self.requests = metrics.Counter(
-            "pd_requests", description="Requests by mode, outcome and the reason for their mode (app/mode_policy.py; "
-            "refused ones under mode and reason `none`).", tag_keys=("mode", "outcome", "reason"))
+            "pd_requests", description="Requests by mode, outcome, the reason for their mode (app/mode_policy.py) and "
+            "service class (refused ones under mode, reason and class `none`).",
+            tag_keys=("mode", "outcome", "reason", "class"))
         self.in_flight_gauge = metrics.Gauge(
             "pd_requests_in_flight", description="Requests started and not yet ended, by mode.", tag_keys=by_mode)
         self._in_flight: Counter[str] = Counter()
@@ -57,28 +59,30 @@ class IngressMetrics:
         return sum(self._in_flight.values())
 
     def refused(self, status: int) -> None:
-        self.requests.inc(tags={"mode": NOT_STARTED, "outcome": refusal_outcome(status), "reason": NOT_STARTED})
+        self.requests.inc(tags={"mode": NOT_STARTED, "outcome": refusal_outcome(status), "reason": NOT_STARTED,
+                                "class": NOT_STARTED})
 
     def started(self, mode: str) -> None:
         self._in_flight[mode] += 1
         self.in_flight_gauge.set(self._in_flight[mode], tags={"mode": mode})
 
-    def finished(self, mode: str, reason: str, outcome: str, timeline: RequestTimeline, num_output_tokens: int
-                 ) -> None:
+    def finished(self, mode: str, reason: str, pd_class: str, outcome: str, timeline: RequestTimeline,
+                 num_output_tokens: int) -> None:
         self._in_flight[mode] -= 1
         self.in_flight_gauge.set(self._in_flight[mode], tags={"mode": mode})
-        self.requests.inc(tags={"mode": mode, "outcome": outcome, "reason": reason})
+        self.requests.inc(tags={"mode": mode, "outcome": outcome, "reason": reason, "class": pd_class})
         events, now = timeline.events, time.time()
-        self.latency_seconds.observe(now - events["arrival"], tags={"mode": mode})
+        tags = {"mode": mode, "class": pd_class}
+        self.latency_seconds.observe(now - events["arrival"], tags=tags)
         if outcome != "ok":
             return
         for phase, seconds in timeline.phases().items():
             self.phase_seconds.observe(seconds, tags={"phase": phase, "mode": mode})
         if "first_token_sent" in events:
-            self.first_token_seconds.observe(events["first_token_sent"] - events["arrival"], tags={"mode": mode})
+            self.first_token_seconds.observe(events["first_token_sent"] - events["arrival"], tags=tags)
             if num_output_tokens > 1:
                 per_token = (now - events["first_token_sent"]) / (num_output_tokens - 1)
-                self.output_token_seconds.observe(per_token, tags={"mode": mode})
+                self.output_token_seconds.observe(per_token, tags=tags)
 
 
 class EventLoopLag:

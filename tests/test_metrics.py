@@ -62,11 +62,12 @@ def series(samples: dict, name: str, **labels: str) -> float:
 def test_ingress_metrics_by_mode_and_outcome(app):
     before = scrape(app.metrics_url)
     sent = {"pull": 2, "push": 1}
+    classes = {"pull": "interactive", "push": "batch"}
     for mode, count in sent.items():
         for _ in range(count):
             body = {"model": MODEL, "prompt": CASES[1].prompt, "max_tokens": 8, "temperature": 0}
             response = httpx.post(app.base_url + "/v1/completions", json=body,
-                                  headers={"x-kv-transfer-mode": mode}, timeout=60)
+                                  headers={"x-kv-transfer-mode": mode, "x-pd-class": classes[mode]}, timeout=60)
             assert response.status_code == 200, response.text
     assert httpx.post(app.base_url + "/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 404
 
@@ -74,7 +75,8 @@ def test_ingress_metrics_by_mode_and_outcome(app):
         return series(samples, name, **labels) - series(before, name, **labels)
 
     def counted(samples):
-        return ({mode: grew(samples, "ray_pd_requests_total", mode=mode, outcome="ok") for mode in sent} == sent
+        return ({mode: grew(samples, "ray_pd_requests_total", mode=mode, outcome="ok", **{"class": classes[mode]})
+                 for mode in sent} == sent
                 and grew(samples, "ray_pd_requests_total", mode="none", outcome="invalid") == 1
                 # while they ran, the ingress sampled its event loop's lag
                 and grew(samples, "ray_pd_ingress_event_loop_lag_seconds_count") > 0)
@@ -84,7 +86,7 @@ def test_ingress_metrics_by_mode_and_outcome(app):
     for mode, count in sent.items():
         for histogram in ("time_to_first_token", "time_per_output_token", "request_latency"):
             name = f"ray_pd_{histogram}_seconds"
-            assert grew(after, f"{name}_count", mode=mode) == count, (name, mode)
+            assert grew(after, f"{name}_count", mode=mode, **{"class": classes[mode]}) == count, (name, mode)
             mean = grew(after, f"{name}_sum", mode=mode) / count
             assert 0 < mean < 30, (name, mode, mean)
         assert series(after, "ray_pd_requests_in_flight", mode=mode) == 0
