@@ -35,9 +35,14 @@ class RequestLoad:
     def __init__(self):
         self._prefilling: dict[str, int] = {}
         self._decoding: set[str] = set()
+        # Every leg taken changes the report, even one that starts and ends between two reads of it: the router
+        # counts a leg it sent until a report newer than the leg arrives (app/routing.py), and Serve passes a
+        # report on only when it changed.
+        self._taken = 0
 
     def started(self, request_id: str, tokens_to_compute: int) -> None:
         self._prefilling[request_id] = tokens_to_compute
+        self._taken += 1
 
     def produced(self, request_id: str) -> None:
         if self._prefilling.pop(request_id, None) is not None:
@@ -48,7 +53,8 @@ class RequestLoad:
         self._decoding.discard(request_id)
 
     def load(self) -> dict[str, int]:
-        return {"queued_prefill_tokens": sum(self._prefilling.values()), "decoding": len(self._decoding)}
+        return {"queued_prefill_tokens": sum(self._prefilling.values()), "decoding": len(self._decoding),
+                "legs_taken": self._taken}
 
 
 class EngineStatsRecorder(StatLoggerBase):

@@ -298,7 +298,7 @@ def test_each_engine_has_its_own_transfer_identity(app):
     assert (prefill["side_channel_host"], prefill["side_channel_port"]) != (
         decode["side_channel_host"], decode["side_channel_port"])
     assert app.engine_call("decode", "load").keys() == {"running", "waiting", "kv_cache_usage", "queued_prefill_tokens",
-                                                         "decoding", "at"}
+                                                         "decoding", "legs_taken", "at"}
 
 
 def test_an_idle_engine_reports_the_same_load_until_its_load_changes(app):
