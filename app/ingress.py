@@ -12,7 +12,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import AsyncGenerator, AsyncIterator, Literal
+from typing import AsyncGenerator, AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -40,7 +40,7 @@ from app.openai_protocol import (
 from app.request_flow import LegUnavailable, RequestFlow, UnsupportedMode
 from app.timeline import RequestTimeline
 from app.tiny_model import resolve_model_source
-from kv.config import AUTO, TransferMode
+from kv.config import POLICIES, TransferMode
 
 logger = logging.getLogger("ray.serve")
 MODE_HEADER = "x-kv-transfer-mode"
@@ -107,8 +107,9 @@ class OpenAIIngress:
         self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer, config.ingress.replica_wait_s)
         self.policy = ModePolicy(PolicyConfig(
-            config.transfer.default_mode, config.transfer.modes, config.ingress.mode_policy,
-            config.decode.prefill_chunk_tokens, {name: c.ttft_weight for name, c in self.classes.items()}))
+            policy=config.transfer.default_mode, modes=config.transfer.modes, priors=config.ingress.mode_policy,
+            rule=config.ingress.threshold_rule, decode_chunk_tokens=config.decode.prefill_chunk_tokens,
+            ttft_weight={name: c.ttft_weight for name, c in self.classes.items()}))
         self.engines = {"prefill": prefill, "decode": decode}
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.
         self.tokenizer = AutoTokenizer.from_pretrained(
@@ -277,8 +278,8 @@ class OpenAIIngress:
             )
         return requested or room
 
-    def _requested(self, requested: str | None) -> TransferMode | Literal["auto"] | None:
-        """The client's mode (None: the configured one), if the legs it needs for sure have a replica that can take it
+    def _requested(self, requested: str | None) -> str | None:
+        """The client's mode or policy (None: the configured one), if the legs it needs for sure have a replica that can take it
         (else a 503 at once, before anything that needs an engine: queued in Serve's router, the request would wait
         for a replacement replica, which takes a minute to start)."""
         try:
@@ -286,7 +287,7 @@ class OpenAIIngress:
         except UnsupportedMode as e:
             raise APIError(400, str(e), param=MODE_HEADER) from e
         named = self.flow.default_mode if mode is None else mode
-        if down := self.flow.replicas.down(("decode",) if named in (AUTO, "local") else ("prefill", "decode")):
+        if down := self.flow.replicas.down(("decode",) if named in (*POLICIES, "local") else ("prefill", "decode")):
             raise _unavailable(f"no {' or '.join(down)} replica can take requests (Serve is replacing it)")
         return mode
 
@@ -299,7 +300,7 @@ class OpenAIIngress:
                            param=CLASS_HEADER if named else "pd_class", code="unknown_service_class")
         return name
 
-    def _decide(self, requested: TransferMode | Literal["auto"] | None, prompt_ids: list[int], params,
+    def _decide(self, requested: str | None, prompt_ids: list[int], params,
                 pd_class: str) -> Decision:
         """The mode policy's decision on this request, from the load the routers see now."""
         features = RequestFeatures(len(prompt_ids), params.max_tokens, requested, pd_class,

@@ -15,6 +15,9 @@ The cost of each option is two numbers, in seconds:
   token is answered by prefill alone: no stall).
 The option with the lowest `ttft_weight(class) * ttft + stall_weight * stall` wins.
 
+The `threshold` policy is the fixed rule instead (`ThresholdRule`): local for a short prompt or while every prefill
+engine is backed up, else the rule's remote mode. It learns nothing and reads only prefill's queue.
+
 The coefficients start from configuration and are learned from what requests report (`CostModel.observe`): each
 role's prefill time as a fixed step cost plus seconds per prompt token (`PrefillFit`, a least-squares line over the
 prompt lengths seen), kept per load level (how many streams decode is decoding), because where the serving stack
@@ -30,6 +33,7 @@ from typing import Literal, Mapping
 
 Mode = Literal["push", "pull", "local"]
 MODES: tuple[Mode, ...] = ("push", "pull", "local")
+Policy = Literal["auto", "threshold"]
 Role = Literal["prefill", "decode"]
 
 # Why a request went the way it did (the `x-kv-transfer-reason` header, the metrics label).
@@ -37,10 +41,11 @@ REQUESTED = "requested"  # the client named the mode
 CONFIGURED = "configured"  # the policy is a fixed mode
 LOWEST_COST = "lowest_cost"  # auto: the option predicted cheapest
 EXPLORE = "explore"  # auto: an option not yet measured at this load, tried so that its cost is learned
+RULE = "rule"  # threshold: the prompt's length and prefill's queue chose it
 PREFILL_UNAVAILABLE = "prefill_unavailable"  # no prefill replica can take it: local (auto), or refused (503)
 DECODE_UNAVAILABLE = "decode_unavailable"  # no decode replica can take it: refused (503)
 PUSH_UNSUPPORTED = "push_unsupported"  # the request needs something push cannot carry: pull instead
-REASONS = (REQUESTED, CONFIGURED, LOWEST_COST, EXPLORE, PREFILL_UNAVAILABLE, DECODE_UNAVAILABLE, PUSH_UNSUPPORTED)
+REASONS = (REQUESTED, CONFIGURED, LOWEST_COST, EXPLORE, RULE, PREFILL_UNAVAILABLE, DECODE_UNAVAILABLE, PUSH_UNSUPPORTED)
 
 # Load levels: streams decoding, in powers of two (0, 1, 2-3, 4-7, ..., 64 and more).
 LOAD_LEVELS = 8
@@ -54,7 +59,7 @@ def load_level(streams: int) -> int:
 class RequestFeatures:
     prompt_tokens: int  # counted after tokenizing
     max_tokens: int
-    requested_mode: Mode | Literal["auto"] | None = None  # the client's choice; None: the configured policy's
+    requested_mode: Mode | Policy | None = None  # the client's choice; None: the configured policy's
     qos_class: str = "interactive"
     seeded: bool = True  # whether a disaggregated answer's first token comes from prefill (app/first_token.py)
     push_capable: bool = True  # False for a request that needs something push cannot carry
@@ -119,6 +124,21 @@ class CostPriors:
             raise ValueError("stall_weight must not be negative")
         if not 0 < self.learning_rate <= 1:
             raise ValueError(f"learning_rate must be in (0, 1], got {self.learning_rate}")
+
+
+@dataclass(frozen=True)
+class ThresholdRule:
+    """The `threshold` policy's rule: the app's `ingress.threshold_rule` section."""
+
+    local_below_tokens: int = 1000  # a prompt shorter than this is prefilled by decode itself
+    prefill_queue_tokens: int = 4096  # local too while the least busy prefill engine has this many tokens queued
+    remote_mode: Mode = "pull"  # how every other request travels
+
+    def __post_init__(self):
+        if self.remote_mode == "local":
+            raise ValueError("remote_mode must be push or pull")
+        if min(self.local_below_tokens, self.prefill_queue_tokens) < 0:
+            raise ValueError("the rule's token limits must not be negative")
 
 
 @dataclass(frozen=True)
@@ -214,9 +234,10 @@ class CostModel:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    policy: Literal["auto", "push", "pull", "local"] = "auto"
+    policy: Policy | Mode = "auto"
     modes: tuple[Mode, ...] = MODES  # the modes the engines serve (local always)
     priors: CostPriors = CostPriors()
+    rule: ThresholdRule = ThresholdRule()
     decode_chunk_tokens: int | None = None  # the most prompt tokens a decode engine computes for one request a step
     # Per service class: its own TTFT's weight against the stall it imposes (a class not named weighs 1).
     ttft_weight: Mapping[str, float] = field(default_factory=lambda: {"interactive": 1.0, "batch": 0.25})
@@ -224,23 +245,25 @@ class PolicyConfig:
 
 class ModePolicy:
     def __init__(self, config: PolicyConfig):
-        if config.policy != "auto" and config.policy not in config.modes:
+        if config.policy not in ("auto", "threshold", *config.modes):
             raise ValueError(f"policy {config.policy!r} is not among the modes served: {list(config.modes)}")
+        if config.rule.remote_mode not in config.modes:
+            raise ValueError(f"the threshold rule's remote mode {config.rule.remote_mode!r} is not served")
         self.config = config
         self.model = CostModel(config.priors)
         self._since_explore = 0
 
     def decide(self, request: RequestFeatures, cluster: ClusterSnapshot) -> Decision:
         requested = request.requested_mode
-        if requested not in (None, "auto", *self.config.modes):
+        if requested not in (None, "auto", "threshold", *self.config.modes):
             raise ValueError(f"mode {requested!r} is not served: {list(self.config.modes)}")
         best = _best_replicas(cluster)
         if best.decode is None:
             return Decision(None, DECODE_UNAVAILABLE)
         named = self.config.policy if requested is None else requested
-        fixed = None if named == "auto" else named
+        fixed = None if named in ("auto", "threshold") else named
         if fixed != "local" and best.prefill is None:
-            # A mode the client or the configuration named is obeyed, or refused; auto serves it without prefill.
+            # A mode the client or the configuration named is obeyed, or refused; a policy serves it without prefill.
             if fixed is not None:
                 return Decision(None, PREFILL_UNAVAILABLE)
             return self._decided("local", PREFILL_UNAVAILABLE, request, best)
@@ -248,6 +271,8 @@ class ModePolicy:
             return self._decided("pull", PUSH_UNSUPPORTED, request, best)
         if fixed is not None:
             return self._decided(fixed, CONFIGURED if requested is None else REQUESTED, request, best)
+        if named == "threshold":
+            return self._decided(self._by_rule(request, best), RULE, request, best)
         return self._auto(request, best)
 
     def costs(self, request: RequestFeatures, cluster: ClusterSnapshot) -> dict[Mode, OptionCost]:
@@ -270,6 +295,13 @@ class ModePolicy:
                 mode = min(unseen, key=lambda m: (samples[m], costs[m].score))
                 return Decision(mode, EXPLORE, best.bound(mode), costs, best.streams(mode))
         return Decision(cheapest, LOWEST_COST, best.bound(cheapest), costs, best.streams(cheapest))
+
+    def _by_rule(self, request: RequestFeatures, best: _BestReplicas) -> Mode:
+        rule = self.config.rule
+        if request.prompt_tokens < rule.local_below_tokens \
+                or best.prefill.queued_prefill_tokens >= rule.prefill_queue_tokens:
+            return "local"
+        return "pull" if rule.remote_mode == "push" and not request.push_capable else rule.remote_mode
 
     def _decided(self, mode: Mode, reason: str, request: RequestFeatures, best: _BestReplicas) -> Decision:
         return Decision(mode, reason, best.bound(mode), self._costs(request, best), best.streams(mode))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import AsyncGenerator, AsyncIterator, Callable, Literal
+from typing import AsyncGenerator, AsyncIterator, Callable
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -14,7 +14,7 @@ from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, Prefill
 from app.first_token import after_seed, can_seed, prefill_sampling
 from app.replica_view import ReplicaView
 from app.timeline import RequestTimeline
-from kv.config import AUTO, TransferConfig, TransferMode
+from kv.config import POLICIES, TransferConfig, TransferMode
 from kv.transfer_params import new_transfer_id, prefill_params, pull_decode_params, push_decode_params
 
 # A request whose leg failed before anything reached the client is started again, on the replicas left, this many
@@ -108,13 +108,13 @@ class RequestFlow:
         self.seed_first_token = transfer.seed_first_token
         self.recompute_on_failure = transfer.on_transfer_failure == "recompute"
 
-    def requested_mode(self, requested: str | None) -> TransferMode | Literal["auto"] | None:
-        """The mode a client named (`auto`: the mode policy decides), checked; None where it named none."""
-        if requested is None or requested == AUTO:
+    def requested_mode(self, requested: str | None) -> str | None:
+        """The mode or policy a client named, checked; None where it named none."""
+        if requested is None or requested in POLICIES:
             return requested
         if requested not in self.modes:
             raise UnsupportedMode(f"transfer mode {requested!r} is not served here; choose one of "
-                                  f"{[*self.modes, AUTO]}")
+                                  f"{[*self.modes, *POLICIES]}")
         return requested
 
     def stream(self, request: EngineRequest, mode: TransferMode, timeline: RequestTimeline

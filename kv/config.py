@@ -7,9 +7,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TransferMode = Literal["push", "pull", "local"]
-# `auto`: the ingress's mode policy decides per request (app/mode_policy.py).
+# Policies, which choose a mode per request at the ingress (app/mode_policy.py). `auto`: the mode predicted
+# cheapest; `threshold`: a fixed rule on the prompt's length and prefill's queue.
 AUTO = "auto"
-ModeChoice = Literal["auto", "push", "pull", "local"]
+POLICIES = (AUTO, "threshold")
+ModeChoice = Literal["auto", "threshold", "push", "pull", "local"]
 # `local`: no disaggregation, the decode engine prefills the prompt itself. It needs nothing from the connector.
 LOCAL: TransferMode = "local"
 
@@ -32,7 +34,8 @@ class ConnectorConfig(StrictModel):
 class TransferConfig(StrictModel):
     connector: ConnectorConfig = ConnectorConfig()
     default_mode: ModeChoice = Field(
-        default=AUTO, description="The mode of a request that names none: a fixed mode, or auto (the policy decides).")
+        default=AUTO, description="The mode of a request that names none: a fixed mode, or a policy that decides per request "
+        "(auto or threshold).")
     backends: list[Literal["UCX", "LIBFABRIC"]] = Field(default=["UCX"], min_length=1)
     kv_buffer_device: Literal["cpu", "cuda"] = "cpu"
     side_channel_host: str | None = Field(
@@ -69,7 +72,7 @@ class TransferConfig(StrictModel):
 
     @model_validator(mode="after")
     def _default_mode_is_served(self) -> TransferConfig:
-        if self.default_mode != AUTO and self.default_mode not in self.modes:
+        if self.default_mode not in (*POLICIES, *self.modes):
             raise ValueError(f"default_mode {self.default_mode!r} is not served by connector "
                              f"{self.connector.name!r} (modes: {list(self.modes)})")
         return self

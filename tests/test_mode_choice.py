@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from app.mode_policy import LOWEST_COST, REASONS, REQUESTED
+from app.mode_policy import LOWEST_COST, REASONS, REQUESTED, RULE
 from conftest import CASES, deploy_ingress
 
 pytestmark = pytest.mark.engines
@@ -111,3 +111,19 @@ def test_a_burst_spreads_over_the_engines(app, url):
     assert all(answer.status_code == 200 for answer in answers), [a.text for a in answers if a.status_code != 200]
     served = [(answer.headers["x-kv-transfer-mode"], answer.headers["x-kv-transfer-reason"]) for answer in answers]
     assert len({mode for mode, _ in served}) > 1, served
+
+
+def test_the_threshold_rule_serves_short_prompts_local_and_long_ones_pull(url):
+    """`threshold` named per request: the configured rule (local below 1,000 prompt tokens, else pull), and a pulled
+    prompt crossed as KV."""
+    served = {}
+    for tokens in (200, 1500):
+        body = {"model": MODEL, "prompt": [(5 * i) % 3000 + 3 for i in range(tokens)], "max_tokens": 4,
+                "temperature": 0, "ignore_eos": True}
+        response = httpx.post(url + "/v1/completions", json=body, headers={"x-kv-transfer-mode": "threshold"},
+                              timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kv-transfer-reason"] == RULE
+        served[tokens] = (response.headers["x-kv-transfer-mode"],
+                          response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert served == {200: ("local", 0), 1500: ("pull", 1500)}

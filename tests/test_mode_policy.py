@@ -13,6 +13,7 @@ from app.mode_policy import (
     PREFILL_UNAVAILABLE,
     PUSH_UNSUPPORTED,
     REQUESTED,
+    RULE,
     ClusterSnapshot,
     CostPriors,
     ModePolicy,
@@ -20,6 +21,7 @@ from app.mode_policy import (
     PolicyConfig,
     ReplicaLoad,
     RequestFeatures,
+    ThresholdRule,
     load_level,
 )
 
@@ -121,6 +123,30 @@ def test_prefill_down_is_served_local_under_auto_and_refused_for_a_named_mode():
     assert policy().decide(request(requested_mode="local"), down).reason == REQUESTED
     named_auto = policy(policy="pull").decide(request(requested_mode="auto"), down)
     assert (named_auto.mode, named_auto.reason) == ("local", PREFILL_UNAVAILABLE)
+
+
+def test_the_threshold_rule_goes_local_for_short_prompts_and_a_backed_up_prefill():
+    rule = ThresholdRule(local_below_tokens=1000, prefill_queue_tokens=4000, remote_mode="pull")
+    threshold = policy(policy="threshold", rule=rule)
+    idle, backed_up = cluster(), cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=4000),
+                                                  ReplicaLoad("p1", queued_prefill_tokens=5000)])
+    assert [threshold.decide(request(n), idle).mode for n in (999, 1000)] == ["local", "pull"]
+    assert threshold.decide(request(20_000), backed_up).mode == "local"
+    # only the least busy prefill engine counts: one with room takes the prompt
+    one_free = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=9000), ReplicaLoad("p1")])
+    decision = threshold.decide(request(20_000), one_free)
+    assert (decision.mode, decision.reason) == ("pull", RULE) and decision.costs  # costs predicted, for the timeline
+    # a client may name the rule whatever policy is configured; a push rule sends what push cannot carry by pull
+    push_rule = policy(rule=ThresholdRule(remote_mode="push"))
+    assert push_rule.decide(request(2000, requested_mode="threshold"), idle).mode == "push"
+    assert push_rule.decide(request(2000, requested_mode="threshold", push_capable=False), idle).mode == "pull"
+    # without a prefill replica the rule serves local, as auto does
+    down = cluster(prefill=[ReplicaLoad("p0", healthy=False)])
+    assert threshold.decide(request(20_000), down).mode == "local"
+    with pytest.raises(ValueError, match="remote mode 'push' is not served"):
+        policy(rule=ThresholdRule(remote_mode="push"), modes=("pull", "local"))
+    with pytest.raises(ValueError, match="push or pull"):
+        ThresholdRule(remote_mode="local")
 
 
 def test_decode_down_is_refused():
