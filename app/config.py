@@ -96,6 +96,12 @@ class EngineConfig(StrictModel):
         return options
 
     @property
+    def engine_args(self) -> dict[str, Any]:
+        """engine_kwargs with what the app's engines take unless told otherwise: priority scheduling, which the
+        service classes' priorities need."""
+        return {"scheduling_policy": "priority", **self.engine_kwargs}
+
+    @property
     def max_num_seqs(self) -> int:
         """Requests one engine runs at once."""
         return int(self.engine_kwargs.get("max_num_seqs", SchedulerConfig.DEFAULT_MAX_NUM_SEQS))

@@ -64,7 +64,7 @@ class EngineServer:
             served_model_name=[self.model_id],
             kv_transfer_config=build_kv_transfer_config(transfer, self.identity),
             worker_extension_cls="kv.worker_extension.TransferStateExtension",
-            **{"scheduling_policy": "priority", **engine.engine_kwargs},  # service classes (app/config.py)
+            **engine.engine_args,
         )
         self.engine = AsyncLLM.from_engine_args(
             args, stat_loggers=[RayPrometheusStatLogger, lambda vllm_config, engine_index: self.stats]

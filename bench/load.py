@@ -48,14 +48,16 @@ class Sample:
         return (self.token_times[-1] - self.ttft) / (n - 1) if n > 1 else None
 
 
-async def send(client: httpx.AsyncClient, target: Target, prompt: list[int], max_tokens: int) -> Sample:
-    """One greedy streaming completion of exactly `max_tokens` tokens (EOS ignored)."""
+async def send(client: httpx.AsyncClient, target: Target, prompt: list[int], max_tokens: int,
+               headers: dict[str, str] | None = None, fields: dict | None = None) -> Sample:
+    """One greedy streaming completion of exactly `max_tokens` tokens (EOS ignored), with the target's headers and
+    these, and these body fields. An answer other than 2xx raises httpx.HTTPStatusError."""
     body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+            "ignore_eos": True, "stream": True, "return_token_ids": True, **(fields or {})}
     start = time.perf_counter()
     times, arrivals, timings = [], [], {}
     async with client.stream("POST", target.next_url() + "/v1/completions", json=body,
-                             headers=target.headers) as response:
+                             headers={**target.headers, **(headers or {})}) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):

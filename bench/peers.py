@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import logging
-import platform
 import random
 import signal
 import statistics
@@ -39,13 +38,12 @@ from collections import Counter, defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-import psutil
 from rich.console import Console
 from tqdm import tqdm
 
 from bench.load import Sample, Target, percentile, run_concurrent
-from bench.systems import HOST, ROOT, System, VllmServer, bench_config, engine_processes, rsllm_pd_app, \
-    serve_floor_app, serve_replica_pids, wait_ready
+from bench.report import machine, update_readme
+from bench.systems import ROOT, System, bench_config, side_by_side
 
 APP_MODES = ("push", "pull", "local", "auto")
 SYSTEMS = ("vllm", "vllm-x2", *APP_MODES, "rsllm-pd", "serve-floor")  # the order of the report's columns
@@ -298,22 +296,6 @@ def handoff_weight(results: dict) -> str:
             "pull's decode waits for its KV " + ", ".join(shares) + ".")
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return f"{cpu}, {psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
-
-
-def update_readme(markdown_text: str, out: Path) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    start, end = text.index(README_START) + len(README_START), text.index(README_END)
-    relative = out.resolve().relative_to(ROOT)
-    body = markdown_text.replace("](ttft_vs_length.png)", f"]({relative}/ttft_vs_length.png)") \
-        .replace("](concurrency.png)", f"]({relative}/concurrency.png)")
-    readme.write_text(text[:start] + "\n" + body + text[end:])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/cpu-tiny.yaml")
@@ -331,69 +313,21 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped"))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
 
-    import ray
-    from ray import serve
-
-    from app.builder import build_pd_app
-    from kv.engine_identity import free_port
-
     config = bench_config(args.config)
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     console.print(f"logs of the plain vLLM servers: {log_dir}")
-    plain = [VllmServer(config.prefill, config.prefill.cpu_cores[0], log_dir),
-             VllmServer(config.decode, config.decode.cpu_cores[0], log_dir)]
-    # Logical CPUs for both apps' engine bundles; the cores they run on are set by core binding.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    systems: dict[str, tuple[System, Target]] = {}
-    try:
-        port = free_port(HOST)
-        serve.start(http_options={"host": HOST, "port": port})
-        base = f"http://{HOST}:{port}"
-        model = config.model_id
-        # One system after the other, each frozen once up: an idle engine with vLLM's NIXL progress thread spins
-        # on a core and would starve the others' start-up.
-        with console.status("starting two vLLM servers, the app and Ray Serve LLM PD (minutes on first use)"):
-            for server in plain:
-                wait_ready(server.url)
-            systems["vllm"] = (System("vllm", plain[0].engines()), Target([plain[0].url], model))
-            systems["vllm-x2"] = (System("vllm-x2", plain[0].engines() + plain[1].engines()),
-                                  Target([plain[0].url, plain[1].url], model))
-            systems["vllm-x2"][0].freeze()
-            serve.run(build_pd_app(config), name="pd", route_prefix="/pd")
-            handles = {role: serve.get_deployment_handle(f"{role.capitalize()}Server", app_name="pd")
-                       for role in ("prefill", "decode")}
-            app = System("app", [p for h in handles.values()
-                                 for p in engine_processes(h.engine_info.remote().result()["pid"])])
-            app.freeze()
-            for mode in APP_MODES:
-                systems[mode] = (app, Target([base + "/pd"], model, {"x-kv-transfer-mode": mode, "x-pd-timings": "1"}))
-            if not args.no_rsllm:
-                serve.run(rsllm_pd_app(config), name="rsllm", route_prefix="/rsllm")
-                rsllm = System("rsllm-pd", [p for pid in serve_replica_pids("rsllm")
-                                            for p in engine_processes(pid)])
-                rsllm.freeze()
-                systems["rsllm-pd"] = (rsllm, Target([base + "/rsllm"], model))
-            serve.run(serve_floor_app(args.floor_itl_ms / 1e3, config.stack_cpu_cores), name="floor",
-                      route_prefix="/floor")
-            systems["serve-floor"] = (System("serve-floor"), Target([base + "/floor"], model))
-
-        totals = lambda: {role: h.transfer_totals.remote().result() for role, h in handles.items()}  # noqa: E731
-        before = totals()
-        bench = Bench(systems, args.output_tokens)
+    app_headers = {mode: {"x-kv-transfer-mode": mode, "x-pd-timings": "1"} for mode in APP_MODES}
+    with side_by_side(config, app_headers, log_dir, console, rsllm=not args.no_rsllm,
+                      floor_itl_s=args.floor_itl_ms / 1e3) as run:
+        before = run.totals()
+        bench = Bench(run.systems, args.output_tokens)
         samples = asyncio.run(bench.latency_sweep(args.lengths, args.repeats))
         concurrency = asyncio.run(bench.concurrency_sweep(args.concurrency))
-        app.thaw()
+        run.app.thaw()
         time.sleep(3)  # the engines' stats loops report the last steps
-        kv = kv_check(before, totals(), bench.served)
-    finally:
-        for system, _ in systems.values():
-            system.thaw()  # a stopped process would not see the shutdown's signals
-        for server in plain:
-            server.stop()
-        serve.shutdown()
-        ray.shutdown()
+        kv = kv_check(before, run.totals(), bench.served)
 
     results = {"machine": machine(), "model": config.model_id, "dtype": config.decode.engine_kwargs.get("dtype"),
                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -409,7 +343,7 @@ def main() -> None:
     (args.out / "results.md").write_text(text)
     plots(results, args.out)
     if args.update_readme:
-        update_readme(text, args.out)
+        update_readme(text, args.out, README_START, README_END)
     console.print(text)
 
 

@@ -22,9 +22,11 @@ from typing import Any, Iterator
 
 import httpx
 import psutil
+from rich.console import Console
 
 from app.config import EngineConfig, PDAppConfig
 from app.tiny_model import resolve_model_source
+from bench.load import Target
 from kv.engine_identity import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +89,7 @@ class VllmServer:
         command = [sys.executable, "-m", "bench.vllm_cli", "serve",
                    resolve_model_source(engine.model_loading_config.model_source),
                    "--served-model-name", engine.model_loading_config.model_id, "--host", HOST,
-                   "--port", str(self.port), *cli_flags(engine.engine_kwargs)]
+                   "--port", str(self.port), *cli_flags(engine.engine_args)]
         self.log = open(log_dir / f"vllm-{cores}.log", "w")
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
@@ -175,6 +177,81 @@ def app_on_own_cluster(config: PDAppConfig) -> Iterator[str]:
         serve.run(build_pd_app(config), name="pd", route_prefix="/")
         yield f"http://{HOST}:{port}"
     finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@dataclass
+class SideBySide:
+    """The systems of one benchmark run, started and frozen: by name, each with where it takes requests."""
+
+    systems: dict[str, tuple[System, Target]]
+    app: System  # the app's engine processes (every app system shares them)
+    handles: dict[str, Any]  # the app's engine deployments, by role
+
+    def totals(self) -> dict[str, dict]:
+        """The app's engine counters, by role."""
+        return {role: h.transfer_totals.remote().result() for role, h in self.handles.items()}
+
+    def loads(self) -> dict[str, dict]:
+        return {role: h.load.remote().result() for role, h in self.handles.items()}
+
+
+@contextlib.contextmanager
+def side_by_side(config: PDAppConfig, app_headers: dict[str, dict[str, str]], log_dir: Path, console: Console,
+                 rsllm: bool = False, floor_itl_s: float | None = None) -> Iterator[SideBySide]:
+    """Plain vLLM (`vllm`: one server on the prefill side's cores; `vllm-x2`: one more on the decode side's), the
+    app (one system per entry of `app_headers`: the headers its requests carry), optionally Ray Serve LLM PD
+    (`rsllm-pd`) and Serve's floor (`serve-floor`), on a Ray cluster of this process's own; all torn down when the
+    block ends. Started one after the other and each frozen once up: an idle engine with vLLM's NIXL progress thread
+    spins on a core and would starve the others' start-up."""
+    import ray
+    from ray import serve
+
+    from app.builder import build_pd_app
+
+    plain = [VllmServer(config.prefill, config.prefill.cpu_cores[0], log_dir),
+             VllmServer(config.decode, config.decode.cpu_cores[0], log_dir)]
+    # Logical CPUs for both apps' engine bundles; the cores they run on are set by core binding.
+    ray.init(address="local", num_cpus=2 + config.prefill.max_replicas + config.decode.max_replicas,
+             include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    systems: dict[str, tuple[System, Target]] = {}
+    starting = console.status(f"starting {', '.join(['two vLLM servers', 'the app'] + ['Ray Serve LLM PD'] * rsllm)} "
+                              "(minutes on first use)")
+    starting.start()
+    try:
+        port = free_port(HOST)
+        serve.start(http_options={"host": HOST, "port": port})
+        base, model = f"http://{HOST}:{port}", config.model_id
+        for server in plain:
+            wait_ready(server.url)
+        systems["vllm"] = (System("vllm", plain[0].engines()), Target([plain[0].url], model))
+        systems["vllm-x2"] = (System("vllm-x2", plain[0].engines() + plain[1].engines()),
+                              Target([plain[0].url, plain[1].url], model))
+        systems["vllm-x2"][0].freeze()
+        serve.run(build_pd_app(config), name="pd", route_prefix="/pd")
+        handles = {role: serve.get_deployment_handle(f"{role.capitalize()}Server", app_name="pd")
+                   for role in ("prefill", "decode")}
+        app = System("app", [p for pid in serve_replica_pids("pd") for p in engine_processes(pid)])
+        app.freeze()
+        for name, headers in app_headers.items():
+            systems[name] = (app, Target([base + "/pd"], model, headers))
+        if rsllm:
+            serve.run(rsllm_pd_app(config), name="rsllm", route_prefix="/rsllm")
+            rsllm_system = System("rsllm-pd", [p for pid in serve_replica_pids("rsllm") for p in engine_processes(pid)])
+            rsllm_system.freeze()
+            systems["rsllm-pd"] = (rsllm_system, Target([base + "/rsllm"], model))
+        if floor_itl_s is not None:
+            serve.run(serve_floor_app(floor_itl_s, config.stack_cpu_cores), name="floor", route_prefix="/floor")
+            systems["serve-floor"] = (System("serve-floor"), Target([base + "/floor"], model))
+        starting.stop()
+        yield SideBySide(systems, app, handles)
+    finally:
+        starting.stop()
+        for system, _ in systems.values():
+            system.thaw()  # a stopped process would not see the shutdown's signals
+        for server in plain:
+            server.stop()
         serve.shutdown()
         ray.shutdown()
 
