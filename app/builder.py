@@ -12,7 +12,8 @@ from ray.serve.config import RequestRouterConfig
 from app.config import EngineConfig, PDAppConfig, load_config
 from app.engine_server import DecodeServer, EngineServer, PrefillServer
 from app.ingress import OpenAIIngress
-from app.routing import ROUTING_STATS_PERIOD_S, EngineLoadRouter
+from app.load_view import ROUTING_STATS_PERIOD_S
+from app.routing import EngineLoadRouter
 from app.rsllm_config import from_pd_serving_args
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

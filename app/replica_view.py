@@ -17,11 +17,11 @@ does not all see the same idle cluster and all go the same way.
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Mapping
 
 from ray.serve.handle import DeploymentHandle
 
+from app.load_view import LegsExpected, replica_load
 from app.mode_policy import ClusterSnapshot, ReplicaLoad
 from app import routing  # a module: each imports the other
 
@@ -33,10 +33,7 @@ ROUTERS: dict[tuple[str, str], routing.EngineLoadRouter] = {}
 class ReplicaView:
     def __init__(self, engines: Mapping[str, DeploymentHandle]):
         self._deployments = {role: (handle.app_name, handle.deployment_name) for role, handle in engines.items()}
-        # role -> (when decided, prompt tokens its engine will compute) per leg no replica has taken yet. One that
-        # is never taken (its request failed first) stops counting after routing.SENT_LEG_MAX_AGE_S, as a sent leg
-        # does.
-        self._expected: dict[str, deque[tuple[float, int]]] = {role: deque() for role in engines}
+        self._expected = {role: LegsExpected() for role in engines}
 
     def _router(self, role: str) -> routing.EngineLoadRouter | None:
         router = ROUTERS.get(self._deployments[role])
@@ -61,19 +58,11 @@ class ReplicaView:
 
     def expect(self, role: str, tokens_to_compute: int) -> None:
         """A leg of `role` is decided on: it counts on every replica of `role` until one takes it."""
-        self._expected[role].append((time.time(), tokens_to_compute))
-
-    def _expected_legs(self, role: str) -> deque[tuple[float, int]]:
-        legs, oldest = self._expected[role], time.time() - routing.SENT_LEG_MAX_AGE_S
-        while legs and legs[0][0] <= oldest:
-            legs.popleft()
-        return legs
+        self._expected[role].expect(tokens_to_compute, time.time())
 
     def sent(self, role: str, replica: str, tokens_to_compute: int) -> None:
         """A leg went to `replica`: it counts in that replica's load until the replica's own report does."""
-        legs = self._expected_legs(role)
-        if (taken := next((leg for leg in legs if leg[1] == tokens_to_compute), None)) is not None:
-            legs.remove(taken)
+        self._expected[role].taken(tokens_to_compute, time.time())
         if (router := self._router(role)) is not None:
             router.sent(replica, tokens_to_compute)
 
@@ -86,14 +75,7 @@ class ReplicaView:
         router = self._router(role)
         if router is None:
             return (ReplicaLoad(f"{role}-unknown"),)
-        expected = self._expected_legs(role)
-        expected_tokens = sum(tokens for _, tokens in expected)
-        loads = []
-        for replica in router.curr_replicas.values():
-            uid, stats = replica.replica_id.unique_id, router.load(replica)
-            loads.append(ReplicaLoad(uid, healthy=uid not in router.failed, running=stats.get("running", 0),
-                                     waiting=stats.get("waiting", 0) + len(expected),
-                                     queued_prefill_tokens=stats.get("queued_prefill_tokens", 0) + expected_tokens,
-                                     kv_cache_usage=stats.get("kv_cache_usage", 0.0),
-                                     decoding=stats.get("decoding", 0)))
-        return tuple(loads)
+        expected = tuple(self._expected[role].pending(time.time()))
+        return tuple(replica_load(replica.replica_id.unique_id, router.load(replica),
+                                  replica.replica_id.unique_id not in router.failed, expected)
+                     for replica in router.curr_replicas.values())

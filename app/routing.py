@@ -22,6 +22,8 @@ there. It is also that process's freshest view of which replicas can take a leg 
 the replicas its controller lists as running, and tells it the moment a call to one finds its actor dead; the
 ingress adds the replicas whose engine it saw die inside a live actor. The router passes over both until Serve's
 controller stops listing them.
+
+The load arithmetic and the ranking are app/load_view.py's, which the simulator runs too.
 """
 
 from __future__ import annotations
@@ -32,20 +34,11 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from app.load_view import LegsSent, load_rank
+
 # A module, not a name from it: Serve pickles this module by value into every process that routes, so a registry
 # defined here would be a private copy there, never the one the ingress reads.
 from app import replica_view
-
-ROUTING_STATS_PERIOD_S = 0.2
-# A leg sent to a replica counts on top of its report until a report of a load that changed after the leg was sent
-# arrives (the leg reached the engine), or this long after.
-SENT_LEG_MAX_AGE_S = 5 * ROUTING_STATS_PERIOD_S
-
-
-def load_rank(stats: dict[str, Any]) -> tuple[int, int]:
-    """Lower ranks first: (requests waiting in the engine and streams it is decoding, KV cache in use in tenths)."""
-    return int(stats.get("waiting", 0)) + int(stats.get("decoding", 0)), \
-        round(float(stats.get("kv_cache_usage", 0.0)) * 10)
 
 
 class EngineLoadRouter(FIFOMixin, RequestRouter):
@@ -53,7 +46,7 @@ class EngineLoadRouter(FIFOMixin, RequestRouter):
         super().__init__(deployment_id, *args, **kwargs)
         self.populated = False  # whether Serve has told this router its replicas yet
         self.failed: frozenset[str] = frozenset()  # replicas (unique ids) seen dead, or whose engine died
-        self._sent: dict[str, list[tuple[float, int]]] = {}  # replica -> (when, prompt tokens to compute) per leg
+        self._sent = LegsSent()
         replica_view.ROUTERS[deployment_id.app_name, deployment_id.name] = self
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -62,7 +55,7 @@ class EngineLoadRouter(FIFOMixin, RequestRouter):
         # A replica that Serve no longer lists has been replaced: nothing left to pass over or to count legs for.
         listed = {replica.replica_id.unique_id for replica in replicas}
         self.failed &= listed
-        self._sent = {uid: legs for uid, legs in self._sent.items() if uid in listed}
+        self._sent.keep_only(listed)
 
     def mark_failed(self, replica: str) -> None:
         self.failed |= {replica}
@@ -75,18 +68,11 @@ class EngineLoadRouter(FIFOMixin, RequestRouter):
 
     def sent(self, replica: str, tokens_to_compute: int) -> None:
         """This process sent `replica` a leg whose engine will compute that many prompt tokens."""
-        self._sent.setdefault(replica, []).append((time.time(), tokens_to_compute))
+        self._sent.add(replica, tokens_to_compute, time.time())
 
     def load(self, replica: RunningReplica) -> dict[str, Any]:
         """The replica's last report, plus the legs sent to it since, as waiting requests and queued tokens."""
-        stats = dict(replica.routing_stats)
-        oldest = max(stats.get("at", 0.0), time.time() - SENT_LEG_MAX_AGE_S)
-        uid = replica.replica_id.unique_id
-        legs = self._sent[uid] = [leg for leg in self._sent.get(uid, ()) if leg[0] > oldest]
-        if legs:
-            stats["waiting"] = stats.get("waiting", 0) + len(legs)
-            stats["queued_prefill_tokens"] = stats.get("queued_prefill_tokens", 0) + sum(t for _, t in legs)
-        return stats
+        return self._sent.load(replica.replica_id.unique_id, replica.routing_stats, time.time())
 
     def usable_replicas(self) -> set[str]:
         """The replicas a leg could be routed to now."""

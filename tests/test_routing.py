@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 from ray.serve.request_router import RequestRouter
 
+from app.load_view import SENT_LEG_MAX_AGE_S, LegsSent, load_rank
 from app.replica_view import ROUTERS, ReplicaView
-from app.routing import SENT_LEG_MAX_AGE_S, EngineLoadRouter, load_rank
+from app.routing import EngineLoadRouter
 
 
 def replica(name: str, **stats) -> SimpleNamespace:
@@ -18,7 +19,7 @@ def replica(name: str, **stats) -> SimpleNamespace:
 
 def router(failed: frozenset[str] = frozenset()) -> EngineLoadRouter:
     router = object.__new__(EngineLoadRouter)  # ranking reads only the replicas marked failed and the legs sent
-    router.failed, router._sent = failed, {}
+    router.failed, router._sent = failed, LegsSent()
     return router
 
 
@@ -75,7 +76,7 @@ def test_a_replaced_replica_is_forgotten(monkeypatch):
     sender.sent("gone", 100)
     sender.sent("kept", 200)
     sender.update_replicas([replica("kept"), replica("dead")])
-    assert set(sender._sent) == {"kept"} and sender.failed == {"dead"}
+    assert sender._sent.replicas() == {"kept"} and sender.failed == {"dead"}
 
 
 def test_a_decided_leg_counts_on_its_role_until_a_replica_takes_it(monkeypatch):
