@@ -314,15 +314,10 @@ class OpenAIIngress:
 
     def _learn(self, admitted: Admitted) -> None:
         """A served request's timeline teaches the policy its costs (app/mode_policy.py, CostModel.observe)."""
-        phases, mode = admitted.output.timeline.phases(), admitted.mode
-        local = mode == "local"
-        prefill_s = phases.get("decode_first_step" if local else "prefill_compute")
-        if prefill_s is None:
-            return
-        self.policy.model.observe(Observation(
-            mode, admitted.output.num_prompt_tokens, admitted.decision.decoding, prefill_s, phases.get("ttft"),
-            phases.get("kv_wait" if local else "prefill_queue", 0.0),
-            phases.get("kv_wait") if mode == "pull" else None))
+        seen = Observation.from_phases(admitted.mode, admitted.output.num_prompt_tokens, admitted.decision.decoding,
+                                       admitted.output.timeline.phases())
+        if seen is not None:
+            self.policy.model.observe(seen)
 
     async def _prompt_ids(self, body: SamplingFields) -> list[int]:
         if isinstance(body, ChatCompletionRequest):

@@ -153,6 +153,17 @@ class Observation:
     queue_s: float = 0.0
     handoff_s: float | None = None  # push and pull: the KV's crossing
 
+    @staticmethod
+    def from_phases(mode: Mode, prompt_tokens: int, decoding: int, phases: Mapping[str, float]) -> Observation | None:
+        """From a served request's phases in seconds (app/timeline.py's names); None where its prefill went unseen."""
+        local = mode == "local"
+        prefill_s = phases.get("decode_first_step" if local else "prefill_compute")
+        if prefill_s is None:
+            return None
+        return Observation(mode, prompt_tokens, decoding, prefill_s, phases.get("ttft"),
+                           phases.get("kv_wait" if local else "prefill_queue", 0.0),
+                           phases.get("kv_wait") if mode == "pull" else None)
+
 
 @dataclass(frozen=True)
 class PrefillCost:

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import random
 import signal
 import sys
@@ -48,23 +47,12 @@ from app.config import ServiceClass
 from bench.load import Sample, Target, percentile, send
 from bench.report import machine, update_readme
 from bench.systems import ROOT, bench_config, side_by_side
+from sim.workload import CLASSES, Arrival, arrivals
 
 APP_SYSTEMS = ("push", "pull", "local", "threshold", "auto")
 FIXED = ("push", "pull", "local")
 SYSTEMS = ("vllm", "vllm-x2", *APP_SYSTEMS)
-CLASSES = ("interactive", "batch")
-PROMPT_TOKENS = (64, 1900)
-OUTPUT_SCALE, OUTPUT_SHAPE, OUTPUT_MAX = 16, 1.5, 512
-ON_S, OFF_S = 2.0, 4.0  # on/off arrivals: bursts at (ON_S + OFF_S) / ON_S times the rate
 IDLE_WAIT_S = 60  # a prefill lease is 30 s: KV still held after this is stranded
-
-
-@dataclass(frozen=True)
-class Arrival:
-    at_s: float  # after the window opens
-    prompt: list[int]
-    max_tokens: int
-    qos_class: str
 
 
 @dataclass
@@ -76,21 +64,10 @@ class Outcome:
     detail: str = ""
 
 
-def arrivals(rate: float, window_s: float, pattern: str, interactive_share: float, max_model_len: int,
-             seed: int) -> list[Arrival]:
+def prompt_ids(requests: list[Arrival], seed: int) -> list[list[int]]:
+    """Each request's prompt, as random token ids of its length (prefix caching is off: no two share a prefix)."""
     rng = random.Random(seed)
-    burst = (ON_S + OFF_S) / ON_S if pattern == "onoff" else 1.0
-    out, on_time = [], 0.0
-    while True:
-        on_time += rng.expovariate(rate * burst)
-        # on/off: arrivals come only in the first ON_S of each period, at `burst` times the rate
-        at = on_time if burst == 1.0 else (on_time // ON_S) * (ON_S + OFF_S) + on_time % ON_S
-        if at >= window_s:
-            return out
-        n = int(math.exp(rng.uniform(*map(math.log, PROMPT_TOKENS))))
-        tokens = min(int(OUTPUT_SCALE * rng.paretovariate(OUTPUT_SHAPE)), OUTPUT_MAX, max_model_len - n - 1)
-        qos = CLASSES[0] if rng.random() < interactive_share else CLASSES[1]
-        out.append(Arrival(at, [rng.randrange(3, 4000) for _ in range(n)], tokens, qos))
+    return [[rng.randrange(3, 4000) for _ in range(a.prompt_tokens)] for a in requests]
 
 
 def met_slo(outcome: Outcome, slo: ServiceClass) -> bool:
@@ -100,19 +77,19 @@ def met_slo(outcome: Outcome, slo: ServiceClass) -> bool:
     return sample.ttft * 1e3 <= slo.ttft_slo_ms and (sample.tpot is None or sample.tpot * 1e3 <= slo.tpot_slo_ms)
 
 
-async def run_cell(target: Target, requests: list[Arrival], app: bool, classes: dict[str, ServiceClass],
-                   drain_s: float) -> list[Outcome]:
+async def run_cell(target: Target, requests: list[Arrival], prompts: list[list[int]], app: bool,
+                   classes: dict[str, ServiceClass], drain_s: float) -> list[Outcome]:
     """Every request sent at its arrival time; the last ones given `drain_s` after the last arrival."""
     end = (requests[-1].at_s if requests else 0.0) + drain_s
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
         start = time.perf_counter()
 
-        async def one(arrival: Arrival) -> Outcome:
+        async def one(arrival: Arrival, prompt: list[int]) -> Outcome:
             await asyncio.sleep(max(0.0, arrival.at_s - (time.perf_counter() - start)))
             headers, fields = ({"x-pd-class": arrival.qos_class, "x-pd-timings": "1"}, None) if app else \
                 (None, {"priority": classes[arrival.qos_class].priority})
             try:
-                sample = await asyncio.wait_for(send(client, target, arrival.prompt, arrival.max_tokens, headers,
+                sample = await asyncio.wait_for(send(client, target, prompt, arrival.max_tokens, headers,
                                                      fields), end - (time.perf_counter() - start))
                 return Outcome(arrival, "done", sample)
             except httpx.HTTPStatusError as e:
@@ -125,7 +102,7 @@ async def run_cell(target: Target, requests: list[Arrival], app: bool, classes: 
             except (httpx.HTTPError, RuntimeError) as e:
                 return Outcome(arrival, "error", detail=repr(e)[:200])
 
-        return list(await asyncio.gather(*(one(a) for a in requests)))
+        return list(await asyncio.gather(*(one(a, p) for a, p in zip(requests, prompts))))
 
 
 def cell_stats(outcomes: list[Outcome], classes: dict[str, ServiceClass], window_s: float) -> dict:
@@ -153,13 +130,14 @@ async def measure(run, classes: dict[str, ServiceClass], args, max_model_len: in
     with tqdm(total=len(args.rates) * len(names), desc="systems x rates") as bar:
         for i, rate in enumerate(args.rates):
             requests = arrivals(rate, args.window_s, args.arrivals, args.interactive_share, max_model_len, seed=i)
+            prompts = prompt_ids(requests, seed=i)
             order.shuffle(names)  # no system always runs right after the same other one
             for name in names:
                 system, target = run.systems[name]
                 app = name in APP_SYSTEMS
                 system.thaw()
                 try:
-                    outcomes = await run_cell(target, requests, app, classes, args.drain_s)
+                    outcomes = await run_cell(target, requests, prompts, app, classes, args.drain_s)
                     stats = cell_stats(outcomes, classes, args.window_s)
                     if app:  # nothing held once the last request ended
                         loads = await asyncio.to_thread(wait_idle, run)

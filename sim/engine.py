@@ -55,10 +55,14 @@ class SimRequest:
     arrival_s: float = 0.0
     on_token: Callable[[SimRequest, float], None] | None = None  # each token, when its step ends
     on_finished: Callable[[SimRequest, float], None] | None = None
+    on_reserved: Callable[[SimRequest, float], None] | None = None  # blocks for a prompt whose KV comes from elsewhere
+    hold_kv: bool = False  # finished, keep the blocks until released (prefill's KV, until decode has it)
     computed: int = 0  # tokens whose KV the engine holds
     generated: int = 0
     blocks: int = 0
     preemptions: int = 0
+    queued_s: float | None = None  # when the engine got it (to reserve blocks in, for one whose KV comes)
+    scheduled_s: float | None = None  # its first step since
     token_times: list[float] = field(default_factory=list)
 
     @property
@@ -82,20 +86,52 @@ class EngineModel:
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.free_blocks = spec.num_blocks
+        self.reserving: list[SimRequest] = []  # waiting for blocks to take KV from elsewhere into
+        self.held: set[SimRequest] = set()  # finished, KV kept for a transfer
         self.busy = False
         self.steps = 0
+        self.legs_taken = 0
 
     # -- what the rest of the simulation sees ----------------------------------------------------------------
 
     def add(self, request: SimRequest) -> None:
+        self.legs_taken += 1
+        request.queued_s = self.clock.now
         self.waiting.append(request)
         self._wake()
 
+    def reserve(self, request: SimRequest) -> None:
+        """Blocks for the prompt of a request whose KV comes from another engine, as soon as they are free (then
+        `on_reserved`); the request stays out of the scheduler until `kv_arrived`."""
+        self.legs_taken += 1
+        request.queued_s = self.clock.now
+        self.reserving.append(request)
+        self._reserve_waiting()
+
+    def kv_arrived(self, request: SimRequest, tokens: int, generated: int) -> None:
+        """The prompt's KV is here (`tokens` of it) and `generated` tokens were sampled elsewhere: schedule it."""
+        request.computed, request.generated = tokens, generated
+        self.waiting.append(request)
+        self._wake()
+
+    def release(self, request: SimRequest) -> None:
+        """A held request's KV has been taken (or its lease ended): free its blocks."""
+        if request in self.held:
+            self.held.remove(request)
+            self._free(request)
+
     def abort(self, request: SimRequest) -> None:
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.running, self.reserving):
             if request in queue:
                 queue.remove(request)
                 self._free(request)
+        self.release(request)
+
+    def report(self) -> dict[str, float]:
+        """What the engine's replica reports for routing (app/engine_server.py `load`), but the time stamp."""
+        return {"running": len(self.running), "waiting": len(self.waiting) + len(self.reserving),
+                "kv_cache_usage": round(self.kv_usage, 3), "queued_prefill_tokens": self.queued_prefill_tokens,
+                "decoding": self.decoding, "legs_taken": self.legs_taken}
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -124,6 +160,9 @@ class EngineModel:
         prefill = sum(n for r, n in plan if r.prefilling)
         decoding = [r for r, _ in plan if not r.prefilling]
         duration = self.spec.step(prefill, len(decoding), sum(r.computed for r in decoding))
+        for request, _ in plan:
+            if request.scheduled_s is None:
+                request.scheduled_s = self.clock.now
         self.steps += 1
         self.clock.after(duration, self._step_done, plan)
 
@@ -188,6 +227,17 @@ class EngineModel:
     def _free(self, request: SimRequest) -> None:
         self.free_blocks += request.blocks
         request.blocks = 0
+        if self.reserving and request.blocks == 0:
+            self.clock.after(0.0, self._reserve_waiting)
+
+    def _reserve_waiting(self) -> None:
+        while self.reserving:
+            request = self.reserving[0]
+            if not self._allocate(request, request.prompt_tokens):
+                return
+            self.reserving.pop(0)
+            if request.on_reserved:
+                request.on_reserved(request, self.clock.now)
 
     def _step_done(self, plan: list[tuple[SimRequest, int]]) -> None:
         now = self.clock.now
@@ -203,7 +253,10 @@ class EngineModel:
                 request.on_token(request, now)
             if request.generated >= request.max_tokens:
                 self.running.remove(request)
-                self._free(request)
+                if request.hold_kv:
+                    self.held.add(request)
+                else:
+                    self._free(request)
                 if request.on_finished:
                     request.on_finished(request, now)
         self.busy = False

@@ -1,10 +1,12 @@
-"""bench.goodput's workload and scoring: pure logic, no engines."""
+"""The open-loop workload (sim/workload.py, shared by bench.goodput and the simulator) and bench.goodput's scoring:
+pure logic, no engines."""
 
 from __future__ import annotations
 
 from app.config import ServiceClass
-from bench.goodput import OFF_S, ON_S, OUTPUT_MAX, PROMPT_TOKENS, Arrival, Outcome, arrivals, cell_stats, met_slo
+from bench.goodput import Outcome, cell_stats, met_slo, prompt_ids
 from bench.load import Sample
+from sim.workload import OFF_S, ON_S, OUTPUT_MAX, PROMPT_TOKENS, Arrival, arrivals
 
 
 def test_arrivals_are_seeded_open_loop_and_within_bounds():
@@ -13,12 +15,14 @@ def test_arrivals_are_seeded_open_loop_and_within_bounds():
     assert got != arrivals(4.0, 100.0, "poisson", 0.7, 2048, seed=2)
     assert 320 < len(got) < 480  # ~4/s for 100 s
     assert all(a.at_s < b.at_s for a, b in zip(got, got[1:])) and got[-1].at_s < 100
-    assert all(PROMPT_TOKENS[0] <= len(a.prompt) <= PROMPT_TOKENS[1] for a in got)
-    assert all(1 <= a.max_tokens <= min(OUTPUT_MAX, 2048 - len(a.prompt) - 1) for a in got)
+    assert all(PROMPT_TOKENS[0] <= a.prompt_tokens <= PROMPT_TOKENS[1] for a in got)
+    assert all(1 <= a.max_tokens <= min(OUTPUT_MAX, 2048 - a.prompt_tokens - 1) for a in got)
     assert max(a.max_tokens for a in got) > 100  # heavy-tailed: some long ones
     assert 0.6 < sum(a.qos_class == "interactive" for a in got) / len(got) < 0.8
-    short = [len(a.prompt) for a in got if len(a.prompt) < 350]
+    short = [a.prompt_tokens for a in got if a.prompt_tokens < 350]
     assert 0.35 < len(short) / len(got) < 0.65  # log-uniform: as many below the geometric mean as above
+    prompts = prompt_ids(got, seed=1)
+    assert [len(p) for p in prompts] == [a.prompt_tokens for a in got] and prompts == prompt_ids(got, seed=1)
 
 
 def test_on_off_arrivals_come_in_bursts_at_the_same_mean_rate():
@@ -31,7 +35,7 @@ def _outcome(qos: str, status: str, ttft: float = 0.0, tpot: float = 0.0, tokens
     sample = None
     if status == "done":
         sample = Sample(ttft, [ttft + i * tpot for i in range(tokens)])
-    return Outcome(Arrival(0.0, [5], tokens, qos), status, sample, retry_after=status == "shed")
+    return Outcome(Arrival(0.0, 1, tokens, qos), status, sample, retry_after=status == "shed")
 
 
 def test_goodput_counts_requests_that_met_both_slos():

@@ -1,0 +1,268 @@
+"""The app, simulated: prefill and decode engine replicas (sim/engine.py) behind the ingress, whose admission, load
+view and mode policy are the app's own code (app/admission.py, app/load_view.py, app/mode_policy.py), and each
+mode's legs and KV hand-off as the app runs them (app/request_flow.py):
+- local: the decode replica the policy bound computes the prompt;
+- pull: a prefill replica computes it and samples the first token (sent to the client at once); then a decode
+  replica, routed by its load at that moment, reserves blocks and READs the KV; prefill frees its blocks after;
+- push: the decode replica the policy bound reserves blocks on arrival and registers them; prefill WRITEs the KV
+  the moment it has sampled the first token (and the registration is in); decode computes the last prompt token
+  again, as the app's push leg does, and goes on from the second token.
+A request with one output token is answered by prefill alone. Engines report their load every `report_period_s`,
+stamped with when it last changed, and the ingress adds the legs it sent since, as the app's routers do.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from app.admission import ClassAdmission
+from app.config import ServiceClass
+from app.load_view import LegsExpected, LegsSent, load_rank, replica_load
+from app.mode_policy import ClusterSnapshot, Decision, ModePolicy, Observation, PolicyConfig, RequestFeatures
+from app.timeline import RequestTimeline
+from sim.clock import Clock
+from sim.engine import EngineModel, SimRequest
+from sim.profile import Profile
+from sim.workload import Arrival
+
+
+@dataclass
+class Served:
+    """One request as the client saw it."""
+
+    arrival: Arrival
+    timeline: RequestTimeline
+    mode: str | None = None
+    reason: str = ""
+    shed: bool = False
+    token_times: list[float] = field(default_factory=list)  # client-seen, on the virtual clock
+    done: bool = False
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times[0] - self.arrival.at_s if self.token_times else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+
+class Replica:
+    def __init__(self, name: str, engine: EngineModel):
+        self.name, self.engine = name, engine
+        self.last_load: dict = {}
+        self.report: dict = {"at": 0.0}
+        self.in_flight = 0  # legs the ingress has on it (Serve's own count, which breaks ties between equal ranks)
+
+
+class SimApp:
+    def __init__(self, profile: Profile, prefill_replicas: int, decode_replicas: int, policy: PolicyConfig,
+                 classes: Mapping[str, ServiceClass], clock: Clock, slots: int | None = None):
+        self.profile, self.clock, self.classes = profile, clock, classes
+        self.replicas = {
+            "prefill": [Replica(f"p{i}", EngineModel(f"p{i}", profile.prefill, clock)) for i in range(prefill_replicas)],
+            "decode": [Replica(f"d{i}", EngineModel(f"d{i}", profile.decode, clock)) for i in range(decode_replicas)]}
+        self.by_name = {r.name: r for role in self.replicas.values() for r in role}
+        self.sent = {role: LegsSent() for role in self.replicas}
+        self.expected = {role: LegsExpected() for role in self.replicas}
+        self.policy = ModePolicy(policy)
+        # As many as the decode engines run at once (app/config.py ingress_slots), in one ingress
+        self.slots = slots or decode_replicas * profile.decode.max_num_seqs
+        self.admission = ClassAdmission(self.slots, {name: c.max_share for name, c in classes.items()})
+        self.queued: deque[Served] = deque()  # beyond the ingress's slots: waiting in Serve's queue
+        self.served: list[Served] = []
+        self._report()
+
+    # -- load reports and the ingress's view of them ------------------------------------------------------------
+
+    def _report(self) -> None:
+        now = self.clock.now
+        for replica in self.by_name.values():
+            load = replica.engine.report()
+            if load != replica.last_load:
+                replica.last_load = load
+                replica.report = {**load, "at": now}
+        self.clock.after(self.profile.report_period_s, self._report)
+
+    def _seen(self, role: str, replica: Replica) -> dict:
+        return self.sent[role].load(replica.name, replica.report, self.clock.now)
+
+    def snapshot(self) -> ClusterSnapshot:
+        now = self.clock.now
+        loads = {}
+        for role, replicas in self.replicas.items():
+            expected = tuple(self.expected[role].pending(now))
+            loads[role] = tuple(replica_load(r.name, self._seen(role, r), True, expected) for r in replicas)
+        return ClusterSnapshot(loads["prefill"], loads["decode"])
+
+    def _route(self, role: str) -> Replica:
+        """Serve's request router with the app's ranking (app/routing.py): lowest load rank, then fewest legs in
+        flight."""
+        return min(self.replicas[role], key=lambda r: (load_rank(self._seen(role, r)), r.in_flight))
+
+    def _send(self, role: str, replica: Replica, tokens: int) -> None:
+        self.sent[role].add(replica.name, tokens, self.clock.now)
+        self.expected[role].taken(tokens, self.clock.now)
+        replica.in_flight += 1
+
+    # -- a request's life ---------------------------------------------------------------------------------------
+
+    def run(self, arrivals: list[Arrival], drain_s: float) -> list[Served]:
+        """Every arrival, then `drain_s` more for the last ones to finish; what the clients saw."""
+        for arrival in arrivals:
+            self.submit(arrival)
+        self.clock.run(until=(arrivals[-1].at_s if arrivals else 0.0) + drain_s)
+        return self.served
+
+    def submit(self, arrival: Arrival) -> Served:
+        served = Served(arrival, RequestTimeline(events={"arrival": arrival.at_s}))
+        self.served.append(served)
+        self.clock.at(arrival.at_s, self._arrive, served)
+        return served
+
+    def _arrive(self, served: Served) -> None:
+        if sum(self.admission.held.values()) >= self.slots:
+            self.queued.append(served)
+            return
+        self._admit(served)
+
+    def _admit(self, served: Served) -> None:
+        if not self.admission.try_take(served.arrival.qos_class):
+            served.shed = True  # a 429 with Retry-After
+            self._next_queued()
+            return
+        self.clock.after(self.profile.hops.ingress_s, self._decide, served)
+
+    def _next_queued(self) -> None:
+        while self.queued and sum(self.admission.held.values()) < self.slots:
+            self._admit(self.queued.popleft())
+
+    def _decide(self, served: Served) -> None:
+        arrival = served.arrival
+        decision = self.policy.decide(RequestFeatures(arrival.prompt_tokens, arrival.max_tokens,
+                                                      qos_class=arrival.qos_class), self.snapshot())
+        served.mode, served.reason = decision.mode, decision.reason
+        if decision.mode is None:
+            self._end(served)
+            return
+        self.expected["decode" if decision.mode == "local" else "prefill"].expect(arrival.prompt_tokens,
+                                                                                 self.clock.now)
+        served.timeline.events["first_dispatch"] = self.clock.now
+        if decision.mode == "local":
+            self._local(served, decision)
+        else:
+            self._remote(served, decision)
+
+    def _request(self, served: Served, max_tokens: int, **fields) -> SimRequest:
+        arrival = served.arrival
+        return SimRequest(f"{id(served)}", arrival.prompt_tokens, max_tokens,
+                          self.classes[arrival.qos_class].priority, self.clock.now, **fields)
+
+    def _local(self, served: Served, decision: Decision) -> None:
+        replica = self.by_name[decision.decode_replica]
+        self._send("decode", replica, served.arrival.prompt_tokens)
+        leg = self._request(served, served.arrival.max_tokens,
+                            on_token=lambda r, t: self._token(served, t, "decode", r),
+                            on_finished=lambda r, t: self._leg_done(served, replica, decision))
+        self.clock.after(self.profile.hops.to_engine_s, replica.engine.add, leg)
+
+    def _remote(self, served: Served, decision: Decision) -> None:
+        tokens, mode = served.arrival.prompt_tokens, decision.mode
+        prefill = self._route("prefill")
+        self._send("prefill", prefill, tokens)
+        served.timeline.events["prefill_dispatched"] = self.clock.now
+        decode_leg = None
+        state = {"prefilled": None, "registered": decision.mode != "push"}
+        one_token = served.arrival.max_tokens <= 1
+
+        def prefilled(leg: SimRequest, now: float) -> None:
+            state["prefilled"] = leg
+            self._engine_events(served, "prefill", leg, now)
+            self._token(served, now, "prefill", leg)
+            prefill.in_flight -= 1
+            if one_token:
+                prefill.engine.release(leg)
+                self._end(served, decision)
+            elif mode == "pull":  # the ingress dispatches the decode leg once prefill answered
+                self.clock.after(self.profile.hops.to_client_s, self._pull_decode, served, decision, prefill, leg)
+            elif state["registered"]:
+                self._write(served, decision, prefill, leg, decode_leg)
+
+        if mode == "push" and not one_token:
+            decode = self.by_name[decision.decode_replica]
+            self._send("decode", decode, 0)
+
+            def registered(leg: SimRequest, now: float) -> None:
+                state["registered"] = True
+                if state["prefilled"] is not None:
+                    self._write(served, decision, prefill, state["prefilled"], leg)
+
+            decode_leg = self._request(served, served.arrival.max_tokens, on_reserved=registered,
+                                       on_token=lambda r, t: self._token(served, t, "decode", r),
+                                       on_finished=lambda r, t: self._leg_done(served, decode, decision))
+            self.clock.after(self.profile.hops.to_engine_s, decode.engine.reserve, decode_leg)
+        leg = self._request(served, 1, hold_kv=True, on_finished=prefilled)
+        self.clock.after(self.profile.hops.to_engine_s, prefill.engine.add, leg)
+
+    def _pull_decode(self, served: Served, decision: Decision, prefill: Replica, prefill_leg: SimRequest) -> None:
+        decode = self._route("decode")
+        self._send("decode", decode, 0)
+        served.timeline.events["decode_dispatched"] = self.clock.now
+
+        def reserved(leg: SimRequest, now: float) -> None:
+            self.clock.after(self.profile.handoff.seconds(served.arrival.prompt_tokens), read_done, leg)
+
+        def read_done(leg: SimRequest) -> None:
+            prefill.engine.release(prefill_leg)
+            decode.engine.kv_arrived(leg, served.arrival.prompt_tokens, generated=1)
+
+        leg = self._request(served, served.arrival.max_tokens, on_reserved=reserved,
+                            on_token=lambda r, t: self._token(served, t, "decode", r),
+                            on_finished=lambda r, t: self._leg_done(served, decode, decision))
+        self.clock.after(self.profile.hops.to_engine_s, decode.engine.reserve, leg)
+
+    def _write(self, served: Served, decision: Decision, prefill: Replica, prefill_leg: SimRequest,
+               decode_leg: SimRequest) -> None:
+        decode = self.by_name[decision.decode_replica]
+
+        def written() -> None:
+            prefill.engine.release(prefill_leg)
+            # decode's prompt lacks the token prefill sampled: it computes the last prompt token again
+            decode.engine.kv_arrived(decode_leg, served.arrival.prompt_tokens - 1, generated=0)
+
+        self.clock.after(self.profile.handoff.seconds(served.arrival.prompt_tokens), written)
+
+    def _token(self, served: Served, now: float, role: str, leg: SimRequest) -> None:
+        if role == "decode" and served.mode == "push" and leg.generated == 1:
+            return  # the token prefill sampled, already sent
+        if role == "decode" and leg.generated == 1 and served.mode == "local":
+            self._engine_events(served, "decode", leg, now)
+        if role == "decode" and served.mode != "local" and "decode_scheduled" not in served.timeline.events:
+            self._engine_events(served, "decode", leg, now)
+        sent = now + self.profile.hops.to_client_s
+        served.token_times.append(sent)
+        served.timeline.events.setdefault("first_token_sent", sent)
+
+    @staticmethod
+    def _engine_events(served: Served, role: str, leg: SimRequest, first_token: float) -> None:
+        events = served.timeline.events
+        for event, at in (("queued", leg.queued_s), ("scheduled", leg.scheduled_s), ("first_token", first_token)):
+            if at is not None:
+                events.setdefault(f"{role}_{event}", at)
+
+    def _leg_done(self, served: Served, decode: Replica, decision: Decision) -> None:
+        decode.in_flight -= 1
+        self._end(served, decision)
+
+    def _end(self, served: Served, decision: Decision | None = None) -> None:
+        served.done = True
+        if decision is not None and decision.mode is not None:
+            seen = Observation.from_phases(decision.mode, served.arrival.prompt_tokens, decision.decoding,
+                                           served.timeline.phases())
+            if seen is not None:
+                self.policy.model.observe(seen)
+        self.admission.release(served.arrival.qos_class)
+        self._next_queued()

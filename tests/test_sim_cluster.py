@@ -1,0 +1,125 @@
+"""The simulated app (sim/cluster.py): each mode's legs timed by hand, nothing lost or left behind, shedding by
+class, determinism, and the app's own policy code inside it. Pure logic: no engines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import app.admission
+import app.load_view
+import app.mode_policy
+import sim.cluster
+from app.config import ServiceClass, default_classes
+from app.mode_policy import PolicyConfig
+from sim.clock import Clock
+from sim.cluster import SimApp
+from sim.engine import EngineSpec, StepCost
+from sim.profile import Handoff, Hops, Profile, load_profile
+from sim.workload import Arrival, arrivals
+
+# 10 ms a step, 0.1 ms a prompt token, 2 ms a decoding request; hops of 1, 2 and 3 ms; a hand-off of 10 ms plus
+# 1 ms per 1,000 tokens.
+ENGINE = EngineSpec(StepCost(fixed_s=0.010, prefill_s_per_token=1e-4, decode_s_per_request=0.002), num_blocks=1000)
+PROFILE = Profile(name="round", description="round numbers", prefill=ENGINE, decode=ENGINE,
+                  hops=Hops(ingress_s=0.001, to_engine_s=0.002, to_client_s=0.003),
+                  handoff=Handoff(fixed_s=0.010, bytes_per_s=1e6, kv_bytes_per_token=1))
+
+
+def simulate(policy: str, requests: list[Arrival], profile: Profile = PROFILE, prefill: int = 1, decode: int = 1,
+             drain_s: float = 60.0, **app) -> SimApp:
+    simulated = SimApp(profile, prefill, decode, PolicyConfig(policy=policy), default_classes(), Clock(), **app)
+    simulated.run(requests, drain_s)
+    return simulated
+
+
+def one(policy: str, prompt: int = 1000, output: int = 3) -> list[float]:
+    [served] = simulate(policy, [Arrival(0.0, prompt, output, "interactive")]).served
+    assert served.mode == policy and served.done
+    return served.token_times
+
+
+def test_local_prefills_on_decode_and_decodes_there():
+    # decided at 1 ms, at the engine at 3 ms; its prompt's step 10 + 100 ms; each token reaches the client 3 ms later;
+    # then a decode step of 10 + 2 ms a token
+    assert one("local") == pytest.approx([0.116, 0.128, 0.140])
+
+
+def test_pull_streams_prefills_token_then_decode_reads_the_kv_and_goes_on():
+    # prefill's token at 113 ms, the client's at 116 ms; the decode leg is dispatched when prefill's answer is back
+    # (116), at decode at 118, reads for 10 + 1 ms (129), and its first step (12 ms) makes the second token at 141
+    assert one("pull") == pytest.approx([0.116, 0.144, 0.156])
+
+
+def test_push_writes_when_prefill_is_done_and_decode_computes_the_last_prompt_token_again():
+    # decode registered at 3 ms; the WRITE from 113 to 124 ms; decode computes the last prompt token (a prefill step
+    # of one token: 10.1 ms), whose token prefill already sent, then the second token (12 ms)
+    assert one("push") == pytest.approx([0.116, 0.1491, 0.1611])
+
+
+def test_one_output_token_is_answered_by_prefill_alone():
+    for mode in ("push", "pull"):
+        simulated = simulate(mode, [Arrival(0.0, 500, 1, "interactive")])
+        assert simulated.served[0].token_times == pytest.approx([0.001 + 0.002 + 0.060 + 0.003])
+        assert all(r.engine.legs_taken == (r.name == "p0") for r in simulated.by_name.values())
+
+
+@pytest.mark.parametrize("policy", ["push", "pull", "local", "threshold", "auto"])
+def test_every_request_gets_its_tokens_and_no_kv_is_left(policy):
+    requests = arrivals(4.0, 30, "onoff", 0.7, 2048, seed=3)
+    simulated = simulate(policy, requests, load_profile("cpu-tiny"), prefill=1, decode=2)
+    served = simulated.served
+    assert all(s.done and len(s.token_times) == s.arrival.max_tokens for s in served if not s.shed)
+    assert all(a < b for s in served for a, b in zip(s.token_times, s.token_times[1:]))
+    for replica in simulated.by_name.values():
+        engine = replica.engine
+        assert engine.free_blocks == engine.spec.num_blocks and not (engine.held or engine.running or engine.waiting)
+        assert replica.in_flight == 0
+    if policy in ("push", "pull", "local"):
+        assert {s.mode for s in served if not s.shed} == {policy}
+    assert sum(simulated.admission.held.values()) == 0
+
+
+def test_batch_beyond_its_share_of_the_slots_is_shed_and_interactive_is_not():
+    burst = [Arrival(0.001 * i, 1500, 200, "batch") for i in range(12)] + [Arrival(0.05, 100, 4, "interactive")]
+    simulated = simulate("pull", burst, slots=8)  # batch may hold half: 4
+    shed = [s.arrival.qos_class for s in simulated.served if s.shed]
+    assert shed == ["batch"] * 8
+    interactive = simulated.served[-1]
+    assert interactive.done and interactive.ttft_s < 1.0  # ahead of the queued batch prompts, by priority
+
+
+def test_beyond_every_slot_requests_wait_for_one():
+    burst = [Arrival(0.0, 200, 20, "interactive") for _ in range(6)]
+    simulated = simulate("local", burst, slots=2)
+    assert all(s.done and not s.shed for s in simulated.served)
+    first_tokens = sorted(s.token_times[0] for s in simulated.served)
+    assert first_tokens[2] > first_tokens[1] + 0.1  # the third waited for one of the first two to end
+
+
+def test_a_seed_gives_the_same_run():
+    def run() -> list[tuple]:
+        requests = arrivals(6.0, 20, "poisson", 0.7, 2048, seed=5)
+        simulated = simulate("auto", requests, load_profile("cpu-tiny"), prefill=2, decode=3)
+        return [(s.mode, s.reason, s.shed, tuple(s.token_times)) for s in simulated.served]
+    assert run() == run()
+
+
+def test_the_simulator_runs_the_apps_own_policy_load_view_and_admission():
+    assert sim.cluster.ModePolicy is app.mode_policy.ModePolicy
+    assert sim.cluster.ClassAdmission is app.admission.ClassAdmission
+    assert sim.cluster.LegsSent is app.load_view.LegsSent and sim.cluster.load_rank is app.load_view.load_rank
+    # and no copy of them under sim/
+    theirs = {"ModePolicy", "CostModel", "ClassAdmission", "LegsSent", "LegsExpected", "load_rank", "replica_load"}
+    for path in Path(sim.cluster.__file__).parent.glob("*.py"):
+        defined = {node.name for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+        assert not defined & theirs, (path.name, defined & theirs)
+
+
+def test_a_profile_reads_from_yaml_and_names_its_sources():
+    profile = load_profile("cpu-tiny")
+    assert profile.decode.long_prefill_token_threshold == 256 and profile.sources
+    assert ServiceClass(ttft_slo_ms=1, tpot_slo_ms=1)  # classes come from the app's config, not a copy
