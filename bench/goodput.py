@@ -117,6 +117,12 @@ def cell_stats(outcomes: list[Outcome], classes: dict[str, ServiceClass], window
                        "shed_without_retry_after": sum(o.status == "shed" and not o.retry_after for o in mine),
                        "ttft_p50": percentile(ttfts, 50) if ttfts else None,
                        "ttft_p99": percentile(ttfts, 99) if ttfts else None}
+    done = [o.sample for o in outcomes if o.sample]
+    itls = [gap * 1e3 for sample in done for gap in sample.itls]
+    # every class together: what the simulator's fidelity is checked against (sim/)
+    stats["all"] = {"done": len(done), "ttft_p50": percentile([s.ttft * 1e3 for s in done], 50) if done else None,
+                    "ttft_p99": percentile([s.ttft * 1e3 for s in done], 99) if done else None,
+                    "itl_p50": percentile(itls, 50) if itls else None}
     stats["decisions"] = dict(Counter(o.sample.decision["mode"] for o in outcomes
                                       if o.sample and o.sample.decision.get("mode")))
     stats["errors"] = sorted({o.detail for o in outcomes if o.status == "error"})[:5]
