@@ -64,6 +64,11 @@ class Outcome:
     detail: str = ""
 
 
+def workload_seed(rate_index: int) -> int:
+    """The seed of the arrivals at the run's rate_index-th rate (the simulator replays them from it)."""
+    return rate_index
+
+
 def prompt_ids(requests: list[Arrival], seed: int) -> list[list[int]]:
     """Each request's prompt, as random token ids of its length (prefix caching is off: no two share a prefix)."""
     rng = random.Random(seed)
@@ -135,8 +140,9 @@ async def measure(run, classes: dict[str, ServiceClass], args, max_model_len: in
     names = [n for n in SYSTEMS if n in run.systems]
     with tqdm(total=len(args.rates) * len(names), desc="systems x rates") as bar:
         for i, rate in enumerate(args.rates):
-            requests = arrivals(rate, args.window_s, args.arrivals, args.interactive_share, max_model_len, seed=i)
-            prompts = prompt_ids(requests, seed=i)
+            requests = arrivals(rate, args.window_s, args.arrivals, args.interactive_share, max_model_len,
+                                seed=workload_seed(i))
+            prompts = prompt_ids(requests, seed=workload_seed(i))
             order.shuffle(names)  # no system always runs right after the same other one
             for name in names:
                 system, target = run.systems[name]
@@ -287,13 +293,15 @@ def main() -> None:
     with side_by_side(config, headers, log_dir, console) as run:
         for plain in {"vllm", "vllm-x2"} - set(args.systems):
             run.systems.pop(plain)
-        cells = asyncio.run(measure(run, classes, args, config.decode.engine_kwargs["max_model_len"], console))
+        max_model_len = config.decode.engine_kwargs["max_model_len"]
+        cells = asyncio.run(measure(run, classes, args, max_model_len, console))
 
     results = {"machine": machine(), "config": args.config, "model": config.model_id,
                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "command": "python -m bench.goodput " + " ".join(sys.argv[1:]),
                "rates": args.rates, "window_s": args.window_s, "drain_s": args.drain_s, "arrivals": args.arrivals,
-               "interactive_share": args.interactive_share,
+               "interactive_share": args.interactive_share, "max_model_len": max_model_len,
+               "seeds": [workload_seed(i) for i in range(len(args.rates))],
                "classes": {n: c.model_dump() for n, c in classes.items()},
                "cells": json.loads(json.dumps(cells))}
     (out / "results.json").write_text(json.dumps(results, indent=1))
