@@ -66,7 +66,8 @@ def ingress_options(config: PDAppConfig) -> dict[str, Any]:
     as many more; beyond that, Serve answers 503 with a Retry-After header (back-pressure) instead of letting the
     queue grow without bound."""
     slots = config.ingress_slots
-    options = {"max_ongoing_requests": slots, "max_queued_requests": slots, **config.ingress.deployment_config}
+    options = {"max_ongoing_requests": slots, "max_queued_requests": slots,
+               "backpressure_config": {"status_code": 503, "retry_after_s": 1}, **config.ingress.deployment_config}
     return {**options, "ray_actor_options": with_serve_env(options.get("ray_actor_options", {}))}
 
 

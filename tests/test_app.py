@@ -203,6 +203,31 @@ def test_a_batch_burst_past_its_share_is_shed_with_429_and_an_interactive_reques
     assert all(load["kv_cache_usage"] == 0 and load["running"] == 0 for load in loads.values()), loads
 
 
+def test_past_the_ingress_slots_and_queue_serve_answers_503_with_retry_after(app):
+    """An ingress of one slot and a queue of one (as ingress_options derives them): a third request in flight at
+    once is refused by Serve at once, saying when to come back."""
+    from ray import serve
+
+    from app.builder import ingress_options
+    from app.config import PDAppConfig
+    from app.ingress import OpenAIIngress
+
+    config = PDAppConfig.model_validate({**app_config(), "ingress": {"deployment_config": {"max_ongoing_requests": 1}}})
+    options = ingress_options(config)
+    assert (options["max_ongoing_requests"], options["max_queued_requests"]) == (1, 1)
+    serve.run(OpenAIIngress.options(name="Ingress-one-slot", **options).bind(
+        app.handles["prefill"], app.handles["decode"], config), name="one-slot", route_prefix="/one-slot")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: _batch_stream(app.base_url + "/one-slot", [(i * 13 + k) % 3000 + 3
+                                                                                        for k in range(64)]), range(4)))
+    finally:
+        serve.delete("one-slot")
+    codes = sorted(r.status_code for r, _ in answers)
+    assert codes.count(200) >= 2 and 503 in codes, codes
+    assert all(r.headers.get("retry-after") == "1" for r, _ in answers if r.status_code == 503)
+
+
 def test_an_unknown_service_class_gets_a_400_that_names_the_classes(app):
     response = httpx.post(app.base_url + "/v1/completions", headers={"x-pd-class": "gold"}, timeout=30,
                           json={"model": MODEL, "prompt": "hi", "max_tokens": 2})

@@ -225,8 +225,9 @@ def test_deployments_admit_what_their_engines_run_at_once():
     assert engine_deployment(DecodeServer, config.decode).max_ongoing_requests == max_num_seqs
     assert engine_deployment(PrefillServer, config.prefill).max_ongoing_requests == max_num_seqs
     # The ingress holds every request for its whole life: as many as the decode replicas run, and a bounded queue
-    # beyond that (Serve answers 503 past it).
+    # beyond that (Serve answers 503 with Retry-After: 1 past it).
     assert ingress_options(config) == {"max_ongoing_requests": max_num_seqs, "max_queued_requests": max_num_seqs,
+                                       "backpressure_config": {"status_code": 503, "retry_after_s": 1},
                                        "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": EXPORT_1S}}}
 
 
