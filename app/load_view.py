@@ -41,6 +41,10 @@ class LegsSent:
     def replicas(self) -> set[str]:
         return set(self._legs)
 
+    def holds(self, replica: str) -> bool:
+        """Whether legs sent to `replica` may still count on top of its report."""
+        return bool(self._legs.get(replica))
+
     def load(self, replica: str, report: Mapping[str, Any], now: float) -> dict[str, Any]:
         """The replica's report, plus the legs sent to it since the load it reports last changed, as waiting
         requests and queued tokens."""

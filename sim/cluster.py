@@ -20,7 +20,8 @@ from typing import Mapping
 from app.admission import ClassAdmission
 from app.config import ServiceClass
 from app.load_view import LegsExpected, LegsSent, load_rank, replica_load
-from app.mode_policy import ClusterSnapshot, Decision, ModePolicy, Observation, PolicyConfig, RequestFeatures
+from app.mode_policy import (ClusterSnapshot, Decision, ModePolicy, Observation, PolicyConfig, ReplicaLoad,
+                             RequestFeatures)
 from app.timeline import RequestTimeline
 from sim.clock import Clock
 from sim.engine import EngineModel, SimRequest
@@ -56,6 +57,8 @@ class Replica:
         self.last_load: dict = {}
         self.report: dict = {"at": 0.0}
         self.in_flight = 0  # legs the ingress has on it (Serve's own count, which breaks ties between equal ranks)
+        self.seen: dict | None = None  # the report plus legs sent since, as last computed
+        self.load: ReplicaLoad | None = None  # the same, as the policy reads it
 
 
 class SimApp:
@@ -85,17 +88,31 @@ class SimApp:
             if load != replica.last_load:
                 replica.last_load = load
                 replica.report = {**load, "at": now}
+                replica.seen = None
         self.clock.after(self.profile.report_period_s, self._report)
 
     def _seen(self, role: str, replica: Replica) -> dict:
-        return self.sent[role].load(replica.name, replica.report, self.clock.now)
+        """The replica's load as the ingress's router sees it (app/load_view.py). Kept between calls while nothing
+        it depends on changed: its report, and the legs sent to it (which also age out, so a replica with legs
+        pending is looked at afresh each time)."""
+        if replica.seen is None or self.sent[role].holds(replica.name):
+            replica.seen = self.sent[role].load(replica.name, replica.report, self.clock.now)
+            replica.load = None
+        return replica.seen
 
     def snapshot(self) -> ClusterSnapshot:
         now = self.clock.now
         loads = {}
         for role, replicas in self.replicas.items():
             expected = tuple(self.expected[role].pending(now))
-            loads[role] = tuple(replica_load(r.name, self._seen(role, r), True, expected) for r in replicas)
+            if expected:
+                loads[role] = tuple(replica_load(r.name, self._seen(role, r), True, expected) for r in replicas)
+                continue
+            for r in replicas:
+                seen = self._seen(role, r)
+                if r.load is None:
+                    r.load = replica_load(r.name, seen, True, ())
+            loads[role] = tuple(r.load for r in replicas)
         return ClusterSnapshot(loads["prefill"], loads["decode"])
 
     def _route(self, role: str) -> Replica:
@@ -105,6 +122,7 @@ class SimApp:
 
     def _send(self, role: str, replica: Replica, tokens: int) -> None:
         self.sent[role].add(replica.name, tokens, self.clock.now)
+        replica.seen = None
         self.expected[role].taken(tokens, self.clock.now)
         replica.in_flight += 1
 
