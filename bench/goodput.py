@@ -43,7 +43,7 @@ import httpx
 from rich.console import Console
 from tqdm import tqdm
 
-from app.config import ServiceClass
+from app.service_class import ServiceClass
 from bench.load import Sample, Target, percentile, send
 from bench.report import machine, update_readme
 from bench.systems import ROOT, bench_config, side_by_side

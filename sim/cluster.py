@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from app.admission import ClassAdmission
-from app.config import ServiceClass
+from app.service_class import ServiceClass
 from app.load_view import LegsExpected, LegsSent, load_rank, replica_load
 from app.mode_policy import (ClusterSnapshot, Decision, ModePolicy, Observation, PolicyConfig, ReplicaLoad,
                              RequestFeatures)

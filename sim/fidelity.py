@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.config import ServiceClass
+from app.service_class import ServiceClass
 from app.mode_policy import PolicyConfig
 from sim.clock import Clock
 from sim.cluster import SimApp

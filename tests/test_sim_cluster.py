@@ -12,7 +12,7 @@ import app.admission
 import app.load_view
 import app.mode_policy
 import sim.cluster
-from app.config import ServiceClass, default_classes
+from app.service_class import ServiceClass, default_classes
 from app.mode_policy import PolicyConfig
 from sim.clock import Clock
 from sim.cluster import SimApp
