@@ -27,7 +27,7 @@ from tqdm import tqdm
 from app.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validated
 
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-# A request whose class holds its share of the app's slots (429) is retried after the app's Retry-After, for up to
+# A request turned away by the ingress's full queue (429) is retried after the app's Retry-After, for up to
 # this long: batch work waits for interactive traffic rather than failing.
 DEFER_FOR_S = 600
 

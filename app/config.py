@@ -175,6 +175,10 @@ class IngressConfig(StrictModel):
         default_factory=default_classes, min_length=1, description="The service classes a request may name (the "
         "`x-pd-class` header, the body's `pd_class`, the handle API's `pd_class`).")
     default_class: str = Field(default="interactive", description="The class of a request that names none.")
+    slots: PositiveInt | None = Field(
+        default=None, description="Requests one ingress replica runs at once (each class at most its `max_share`); "
+        "as many more wait in its queue, most urgent class first. Unset: its share of what the decode replicas run "
+        "at once (`max_num_seqs` each), so that a request the ingress starts finds room on an engine.")
     api_key_env: str | None = Field(
         default=None,
         description="Name of an environment variable, set in the ingress replicas, holding the key clients must send "
@@ -259,12 +263,12 @@ class PDAppConfig(StrictModel):
 
     @property
     def ingress_slots(self) -> int:
-        """Requests one ingress replica holds at once: unless its deployment_config says otherwise, the ingress
-        replicas together hold as many as the decode replicas run at once (every request holds its slot for its
-        whole life)."""
+        """Requests one ingress replica runs at once (every request holds its slot for its whole life): unless
+        `ingress.slots` says otherwise, the ingress replicas together run as many as the decode replicas do."""
+        if self.ingress.slots is not None:
+            return self.ingress.slots
         replicas = int(self.ingress.deployment_config.get("num_replicas", 1))
-        share = math.ceil(self.decode.max_replicas * self.decode.max_num_seqs / replicas)
-        return int(self.ingress.deployment_config.get("max_ongoing_requests", share))
+        return math.ceil(self.decode.max_replicas * self.decode.max_num_seqs / replicas)
 
 
 def load_config(path: str | Path) -> PDAppConfig:

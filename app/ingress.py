@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from transformers import AutoTokenizer
 
-from app.admission import ClassAdmission
+from app.admission import RUNNING, SHED, ClassAdmission, Ticket
 from app.config import PDAppConfig, cpu_set, hold_process_to
 from app.engine_protocol import EngineChunk, EngineRequest
 from app.first_token import can_seed
@@ -53,7 +53,7 @@ STREAM_INTERVAL_HEADER = "x-pd-stream-interval-ms"
 CLASS_HEADER = "x-pd-class"
 # A replacement engine replica takes a minute or more to start; clients that honour Retry-After come back then.
 RETRY_LATER = {"Retry-After": "10"}
-# A class at its share of the slots has one back as soon as any of its requests ends.
+# A request turned away from a full queue may find room as soon as any running request ends.
 RETRY_SOON = {"Retry-After": "1"}
 
 
@@ -103,7 +103,8 @@ class OpenAIIngress:
         self.max_request_bytes = config.ingress.max_request_bytes
         self.stream_interval_ms = config.ingress.stream_interval_ms
         self.classes, self.default_class = config.ingress.classes, config.ingress.default_class
-        self.admission = ClassAdmission(config.ingress_slots, {name: c.max_share for name, c in self.classes.items()})
+        self.admission = ClassAdmission(config.ingress_slots, config.ingress_slots, self.classes)
+        self._woken: dict[Ticket, asyncio.Future] = {}  # waiting requests, each woken when it runs or is shed
         self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer, config.ingress.replica_wait_s)
         self.policy = ModePolicy(PolicyConfig(
@@ -357,14 +358,11 @@ class OpenAIIngress:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens),
                                        stream_interval_s=stream_interval_s, priority=self.classes[pd_class].priority)
-        if not self.admission.try_take(pd_class):
-            raise APIError(429, f"service class {pd_class!r} holds its share of this server's request slots "
-                           f"({self.admission.limits[pd_class]}); retry shortly", "rate_limit_error",
-                           code="class_at_capacity", headers=RETRY_SOON)
+        ticket = await self._slot(pd_class)
         try:
             decision = self._decide(requested, prompt_ids, engine_request.sampling_params, pd_class)
         except BaseException:
-            self.admission.release(pd_class)
+            self._leave(ticket)
             raise
         timeline.decided(decision.mode, decision.reason, decision.costs, pd_class)
         admitted = Admitted(
@@ -376,9 +374,44 @@ class OpenAIIngress:
             pd_class=pd_class,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
-        # The slot is given back when the request ends (`_run`), or when its answer is dropped unread.
-        admitted.release_slot = weakref.finalize(admitted, self.admission.release, pd_class)
+        # The slot is given back when the request ends (`_run`), or when its answer is dropped unread (on the
+        # event loop, which owns the queue, whichever thread collects it).
+        admitted.release_slot = weakref.finalize(admitted, asyncio.get_running_loop().call_soon_threadsafe,
+                                                 self._leave, ticket)
         return admitted
+
+    async def _slot(self, pd_class: str) -> Ticket:
+        """A running slot for a request of `pd_class`, once the queue gives it one (app/admission.py); a 429 with
+        Retry-After if the queue turns it away, a 503 if no slot frees within the request timeout."""
+        ticket, shed = self.admission.arrive(pd_class)
+        self._wake(shed)
+        if ticket.state not in (RUNNING, SHED):
+            self._woken[ticket] = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._woken[ticket]
+            except TimeoutError:
+                self._leave(ticket)
+                raise APIError(503, f"no request slot freed within {self.timeout_s} s; retry shortly",
+                               "service_unavailable", code="queue_timeout", headers=RETRY_SOON) from None
+            except BaseException:  # the caller went away while it waited, or just as it was given a slot
+                self._leave(ticket)
+                raise
+            finally:
+                del self._woken[ticket]
+        if ticket.state == SHED:
+            raise APIError(429, f"this server's queue is full of requests as urgent as class {pd_class!r} or more; "
+                           "retry shortly", "rate_limit_error", code="queue_full", headers=RETRY_SOON)
+        return ticket
+
+    def _leave(self, ticket: Ticket) -> None:
+        self._wake(self.admission.leave(ticket))
+
+    def _wake(self, tickets: list[Ticket]) -> None:
+        for ticket in tickets:
+            woken = self._woken.get(ticket)
+            if woken is not None and not woken.done():
+                woken.set_result(None)
 
     async def _run(self, admitted: Admitted) -> AsyncIterator[EngineChunk]:
         """The request's chunks, recorded in its output: APIError 504 past the time limit, 500 if it fails. However

@@ -25,7 +25,7 @@ def refusal_outcome(status: int) -> str:
     if status == 503:
         return "unavailable"  # a leg has no running replica
     if status == 429:
-        return "shed"  # its service class holds its share of the slots (app/admission.py)
+        return "shed"  # turned away by the ingress's full queue (app/admission.py)
     return "invalid" if status < 500 else "error"
 
 

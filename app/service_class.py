@@ -20,8 +20,9 @@ class ServiceClass(StrictModel):
     tpot_slo_ms: float = Field(gt=0, description="Mean time per output token after the first, client-seen.")
     max_share: float = Field(
         default=1.0, gt=0, le=1, description="The share of an ingress replica's request slots (as many as the "
-        "decode engines run at once) that requests of this class may hold; past it, a new one gets a 429 with "
-        "Retry-After. Below 1 for batch work, so that it never fills the slots interactive requests need.")
+        "decode engines run at once) that requests of this class may hold; past it, a new one waits in the "
+        "ingress's queue, behind more urgent classes. Below 1 for batch work, so that it never fills the slots "
+        "interactive requests need.")
     ttft_weight: float = Field(
         default=1.0, ge=0, description="How much the `auto` mode policy weighs this class's own TTFT against the "
         "stall a mode imposes on running streams (`mode_policy.stall_weight`): below 1, the class takes a mode "

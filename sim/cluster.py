@@ -13,11 +13,10 @@ stamped with when it last changed, and the ingress adds the legs it sent since, 
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from app.admission import ClassAdmission
+from app.admission import RUNNING, SHED, ClassAdmission, Ticket
 from app.service_class import ServiceClass
 from app.load_view import LegsExpected, LegsSent, load_rank, replica_load
 from app.mode_policy import (ClusterSnapshot, Decision, ModePolicy, Observation, PolicyConfig, ReplicaLoad,
@@ -37,9 +36,14 @@ class Served:
     timeline: RequestTimeline
     mode: str | None = None
     reason: str = ""
-    shed: bool = False
+    ticket: Ticket | None = None  # its place at the ingress (app/admission.py)
     token_times: list[float] = field(default_factory=list)  # client-seen, on the virtual clock
     done: bool = False
+
+    @property
+    def shed(self) -> bool:
+        """Turned away by the ingress's queue (a 429 with Retry-After)."""
+        return self.ticket is not None and self.ticket.state == SHED
 
     @property
     def ttft_s(self) -> float | None:
@@ -72,10 +76,11 @@ class SimApp:
         self.sent = {role: LegsSent() for role in self.replicas}
         self.expected = {role: LegsExpected() for role in self.replicas}
         self.policy = ModePolicy(policy)
-        # As many as the decode engines run at once (app/config.py ingress_slots), in one ingress
+        # As many as the decode engines run at once (app/config.py ingress_slots), in one ingress, and as many
+        # waiting in its queue
         self.slots = slots or decode_replicas * profile.decode.max_num_seqs
-        self.admission = ClassAdmission(self.slots, {name: c.max_share for name, c in classes.items()})
-        self.queued: deque[Served] = deque()  # beyond the ingress's slots: waiting in Serve's queue
+        self.admission = ClassAdmission(self.slots, self.slots, classes)
+        self.waiting: dict[Ticket, Served] = {}
         self.served: list[Served] = []
         self._report()
 
@@ -142,21 +147,16 @@ class SimApp:
         return served
 
     def _arrive(self, served: Served) -> None:
-        if sum(self.admission.held.values()) >= self.slots:
-            self.queued.append(served)
-            return
-        self._admit(served)
+        served.ticket, shed = self.admission.arrive(served.arrival.qos_class)
+        for ticket in shed:
+            del self.waiting[ticket]
+        if served.ticket.state == RUNNING:
+            self._start(served)
+        elif served.ticket.state != SHED:
+            self.waiting[served.ticket] = served
 
-    def _admit(self, served: Served) -> None:
-        if not self.admission.try_take(served.arrival.qos_class):
-            served.shed = True  # a 429 with Retry-After
-            self._next_queued()
-            return
+    def _start(self, served: Served) -> None:
         self.clock.after(self.profile.hops.ingress_s, self._decide, served)
-
-    def _next_queued(self) -> None:
-        while self.queued and sum(self.admission.held.values()) < self.slots:
-            self._admit(self.queued.popleft())
 
     def _decide(self, served: Served) -> None:
         arrival = served.arrival
@@ -282,5 +282,5 @@ class SimApp:
                                            served.timeline.phases())
             if seen is not None:
                 self.policy.model.observe(seen)
-        self.admission.release(served.arrival.qos_class)
-        self._next_queued()
+        for ticket in self.admission.leave(served.ticket):
+            self._start(self.waiting.pop(ticket))

@@ -1,28 +1,80 @@
-"""Per-class admission at the ingress (app/admission.py): pure logic, no engines."""
+"""The ingress's slots and queue by service class (app/admission.py): pure logic, no engines."""
 
 from __future__ import annotations
 
-from app.admission import ClassAdmission
+from app.admission import LEFT, RUNNING, SHED, WAITING, ClassAdmission
 from app.config import PDAppConfig
+from app.service_class import default_classes
 from test_config import raw_cpu_config
 
 
-def test_each_class_holds_at_most_its_share_of_the_slots_and_gets_them_back():
-    admission = ClassAdmission(slots=32, max_share={"interactive": 1.0, "batch": 0.5})
-    assert admission.limits == {"interactive": 32, "batch": 16}
-    assert all(admission.try_take("batch") for _ in range(16))
-    assert not admission.try_take("batch")
-    assert all(admission.try_take("interactive") for _ in range(32))  # batch at its share takes none of these
-    admission.release("batch")
-    assert admission.try_take("batch") and not admission.try_take("batch")
+def admission(slots: int, queue_size: int) -> ClassAdmission:
+    return ClassAdmission(slots, queue_size, default_classes())  # interactive priority 0, batch 10 with half
+
+
+def states(tickets) -> list[str]:
+    return [t.state for t in tickets]
+
+
+def test_each_class_runs_at_most_its_share_of_the_slots_and_the_rest_wait():
+    queue = admission(slots=4, queue_size=4)
+    assert queue.limits == {"interactive": 4, "batch": 2}
+    batch = [queue.arrive("batch")[0] for _ in range(3)]
+    assert states(batch) == [RUNNING, RUNNING, WAITING]
+    interactive = [queue.arrive("interactive")[0] for _ in range(3)]  # batch at its share takes none of these
+    assert states(interactive) == [RUNNING, RUNNING, WAITING]
+    assert queue.running == 4
+
+
+def test_a_freed_slot_goes_to_the_most_urgent_class_first_then_to_the_earliest():
+    queue = admission(slots=2, queue_size=8)
+    first, second = queue.arrive("interactive")[0], queue.arrive("interactive")[0]
+    batch = queue.arrive("batch")[0]
+    later = [queue.arrive("interactive")[0] for _ in range(2)]
+    assert queue.leave(first) == [later[0]]
+    assert queue.leave(later[0]) == [later[1]]
+    assert queue.leave(second) == [batch] and batch.state == RUNNING
+
+
+def test_a_freed_slot_skips_a_class_at_its_share():
+    queue = admission(slots=2, queue_size=8)
+    running_batch = queue.arrive("batch")[0]  # batch's share of two slots: one
+    interactive = queue.arrive("interactive")[0]
+    waiting_batch, late_interactive = queue.arrive("batch")[0], queue.arrive("interactive")[0]
+    assert queue.leave(interactive) == [late_interactive]
+    assert waiting_batch.state == WAITING
+    assert queue.leave(running_batch) == [waiting_batch]
+
+
+def test_a_full_queue_sheds_the_least_urgent_waiting_request_for_a_more_urgent_one():
+    queue = admission(slots=1, queue_size=2)
+    queue.arrive("interactive")
+    early, late = queue.arrive("batch")[0], queue.arrive("batch")[0]
+    ticket, shed = queue.arrive("interactive")
+    assert ticket.state == WAITING and shed == [late] and late.state == SHED  # the latest of the least urgent
+    ticket, shed = queue.arrive("interactive")
+    assert ticket.state == WAITING and shed == [early]
+    # Nothing waiting is less urgent: the newcomer is turned away, batch or interactive.
+    assert [queue.arrive(c)[0].state for c in ("batch", "interactive")] == [SHED, SHED]
+    assert len(queue.waiting) == 2 and queue.running == 1
+
+
+def test_a_waiting_request_that_gives_up_leaves_the_queue_and_a_shed_one_changes_nothing():
+    queue = admission(slots=1, queue_size=1)
+    running = queue.arrive("batch")[0]
+    waiting = queue.arrive("interactive")[0]
+    shed = queue.arrive("interactive")[0]
+    assert queue.leave(shed) == [] and queue.waiting == [waiting]
+    assert queue.leave(waiting) == [] and queue.waiting == [] and waiting.state == LEFT
+    assert queue.leave(running) == [] and queue.running == 0
 
 
 def test_a_class_with_a_share_below_one_slot_still_gets_one():
-    assert ClassAdmission(slots=3, max_share={"batch": 0.1}).limits == {"batch": 1}
+    assert admission(slots=1, queue_size=0).limits["batch"] == 1
 
 
 def test_the_ingress_slots_follow_the_decode_capacity_unless_configured():
     raw = raw_cpu_config()
     assert PDAppConfig.model_validate(raw).ingress_slots == raw["decode"]["engine_kwargs"]["max_num_seqs"]
-    raw["ingress"]["deployment_config"] = {"max_ongoing_requests": 10}
+    raw["ingress"]["slots"] = 10
     assert PDAppConfig.model_validate(raw).ingress_slots == 10

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import subprocess
@@ -176,56 +177,90 @@ def test_an_interactive_request_overtakes_batch_work_queued_on_the_engine(app):
     assert all(first["prefill_scheduled"] <= events["prefill_scheduled"] + 0.05 for events in waiting), (first, waiting)
 
 
-def _batch_stream(base_url: str, prompt: list[int]) -> tuple[httpx.Response, float]:
-    """A long batch stream read to its end: the response (its body read) and when it ended."""
-    with httpx.stream("POST", base_url + "/v1/completions", timeout=120, headers={"x-pd-class": "batch"}, json={
+def _batch_stream(base_url: str, prompt: list[int], pd_class: str = "batch") -> tuple[httpx.Response, float, float]:
+    """A long stream read to its end: the response (its body read), when its headers came (the ingress sends them
+    once the request has a slot) and when it ended."""
+    with httpx.stream("POST", base_url + "/v1/completions", timeout=120, headers={"x-pd-class": pd_class}, json={
             "model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}) as response:
+        started = time.time()
         response.read()
-    return response, time.time()
+    return response, started, time.time()
 
 
-def test_a_batch_burst_past_its_share_is_shed_with_429_and_an_interactive_request_still_gets_in(app):
-    share = app_config()["decode"]["engine_kwargs"]["max_num_seqs"] // 2  # batch's max_share of one ingress's slots
-    burst = share + 8
-    with concurrent.futures.ThreadPoolExecutor(burst) as pool:
-        batch = [pool.submit(_batch_stream, app.base_url, [(i * 17 + k) % 3000 + 3 for k in range(64)])
-                 for i in range(burst)]
-        time.sleep(1.0)  # the whole burst has arrived; 200 tokens take several seconds to stream
-        klass, _ = _timed(app.base_url, [5] * 64, {"x-pd-class": "interactive"})
-        interactive_done = time.time()
-        answers = [f.result() for f in batch]
-    assert sorted(r.status_code for r, _ in answers) == [200] * share + [429] * (burst - share)
-    assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "class_at_capacity"
-               for r, _ in answers if r.status_code == 429)
-    # The interactive request was served while the batch streams still ran, not after them.
-    assert klass == "interactive" and interactive_done < max(ended for r, ended in answers if r.status_code == 200)
-    loads = app.wait_until_idle(timeout_s=60)
-    assert all(load["kv_cache_usage"] == 0 and load["running"] == 0 for load in loads.values()), loads
-
-
-def test_past_the_ingress_slots_and_queue_serve_answers_503_with_retry_after(app):
-    """An ingress of one slot and a queue of one (as ingress_options derives them): a third request in flight at
-    once is refused by Serve at once, saying when to come back."""
+@contextlib.contextmanager
+def _ingress(app, name: str, ingress: dict):
+    """A second ingress on the shared app's engines, with its own ingress config, at /<name>."""
     from ray import serve
 
     from app.builder import ingress_options
     from app.config import PDAppConfig
     from app.ingress import OpenAIIngress
 
-    config = PDAppConfig.model_validate({**app_config(), "ingress": {"deployment_config": {"max_ongoing_requests": 1}}})
-    options = ingress_options(config)
-    assert (options["max_ongoing_requests"], options["max_queued_requests"]) == (1, 1)
-    serve.run(OpenAIIngress.options(name="Ingress-one-slot", **options).bind(
-        app.handles["prefill"], app.handles["decode"], config), name="one-slot", route_prefix="/one-slot")
+    config = PDAppConfig.model_validate({**app_config(), "ingress": ingress})
+    serve.run(OpenAIIngress.options(name=f"Ingress-{name}", **ingress_options(config)).bind(
+        app.handles["prefill"], app.handles["decode"], config), name=name, route_prefix=f"/{name}")
     try:
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda i: _batch_stream(app.base_url + "/one-slot", [(i * 13 + k) % 3000 + 3
-                                                                                        for k in range(64)]), range(4)))
+        yield app.base_url + f"/{name}"
     finally:
-        serve.delete("one-slot")
-    codes = sorted(r.status_code for r, _ in answers)
+        serve.delete(name)
+
+
+def _prompt(i: int, length: int = 64) -> list[int]:
+    return [(i * 17 + k) % 3000 + 3 for k in range(length)]
+
+
+def test_batch_past_its_share_waits_for_a_slot_while_an_interactive_request_runs_at_once(app):
+    share = app_config()["decode"]["engine_kwargs"]["max_num_seqs"] // 2  # batch's max_share of one ingress's slots
+    burst = share + 8
+    with concurrent.futures.ThreadPoolExecutor(burst) as pool:
+        batch = [pool.submit(_batch_stream, app.base_url, _prompt(i)) for i in range(burst)]
+        time.sleep(1.0)  # the whole burst has arrived; 200 tokens take several seconds to stream
+        klass, _ = _timed(app.base_url, [5] * 64, {"x-pd-class": "interactive"})
+        interactive_done = time.time()
+        answers = [f.result() for f in batch]
+    assert [r.status_code for r, _, _ in answers] == [200] * burst
+    started = sorted(started for _, started, _ in answers)
+    first_ended = min(ended for _, _, ended in answers)
+    # `share` streams started at once; the rest waited at the ingress until batch streams ended, while the
+    # interactive request was served at once.
+    assert started[share - 1] < interactive_done < started[share], (started, interactive_done)
+    assert started[share] > first_ended - 1.0 and klass == "interactive", (started, first_ended)
+    loads = app.wait_until_idle(timeout_s=60)
+    assert all(load["kv_cache_usage"] == 0 and load["running"] == 0 for load in loads.values()), loads
+
+
+def test_a_full_queue_turns_away_waiting_batch_for_an_interactive_request_with_429_and_retry_after(app):
+    """An ingress of one slot and a queue of one: a batch stream runs, a second batch request waits, and an
+    interactive request arriving then takes the waiting one's place (429, Retry-After: 1), runs once the first
+    ends; one more request of either class finds nothing less urgent waiting and is turned away itself."""
+    with _ingress(app, "one-slot", {"slots": 1}) as url, concurrent.futures.ThreadPoolExecutor(5) as pool:
+        running = pool.submit(_batch_stream, url, _prompt(1))
+        time.sleep(0.3)  # a 200-token stream alone takes 2 s or more here
+        waiting = pool.submit(_batch_stream, url, _prompt(2))
+        time.sleep(0.3)
+        interactive = pool.submit(_batch_stream, url, _prompt(3), "interactive")
+        time.sleep(0.3)
+        late = [pool.submit(_batch_stream, url, _prompt(4 + i), pd_class) for i, pd_class in
+                enumerate(("batch", "interactive"))]
+        answers = [f.result() for f in (running, waiting, interactive, *late)]
+    assert [r.status_code for r, _, _ in answers] == [200, 429, 200, 429, 429], [r.text for r, _, _ in answers]
+    for response, _, _ in answers[1:2] + answers[3:]:
+        assert response.headers["retry-after"] == "1" and response.json()["error"]["code"] == "queue_full"
+    (_, _, first_ended), (_, interactive_started, _) = answers[0], answers[2]
+    assert interactive_started > first_ended - 0.5  # it waited for the one slot
+    loads = app.wait_until_idle(timeout_s=60)
+    assert all(load["kv_cache_usage"] == 0 and load["running"] == 0 for load in loads.values()), loads
+
+
+def test_past_the_ingress_and_its_queue_serve_answers_503_with_retry_after(app):
+    """Serve itself holding one request at the ingress and queueing one: a third request in flight at once is
+    refused by Serve at once, saying when to come back."""
+    ingress = {"slots": 1, "deployment_config": {"max_ongoing_requests": 1}}
+    with _ingress(app, "one-held", ingress) as url, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda i: _batch_stream(url, _prompt(i * 13 % 7)), range(4)))
+    codes = sorted(r.status_code for r, _, _ in answers)
     assert codes.count(200) >= 2 and 503 in codes, codes
-    assert all(r.headers.get("retry-after") == "1" for r, _ in answers if r.status_code == 503)
+    assert all(r.headers.get("retry-after") == "1" for r, _, _ in answers if r.status_code == 503)
 
 
 def test_an_unknown_service_class_gets_a_400_that_names_the_classes(app):

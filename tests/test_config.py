@@ -224,9 +224,10 @@ def test_deployments_admit_what_their_engines_run_at_once():
     max_num_seqs = config.decode.engine_kwargs["max_num_seqs"]
     assert engine_deployment(DecodeServer, config.decode).max_ongoing_requests == max_num_seqs
     assert engine_deployment(PrefillServer, config.prefill).max_ongoing_requests == max_num_seqs
-    # The ingress holds every request for its whole life: as many as the decode replicas run, and a bounded queue
-    # beyond that (Serve answers 503 with Retry-After: 1 past it).
-    assert ingress_options(config) == {"max_ongoing_requests": max_num_seqs, "max_queued_requests": max_num_seqs,
+    # The ingress runs as many requests as the decode replicas do and queues as many by class; Serve lets it hold
+    # as many again (to turn away), and queues a bounded number beyond that (503 with Retry-After: 1 past it).
+    assert config.ingress_slots == max_num_seqs
+    assert ingress_options(config) == {"max_ongoing_requests": 3 * max_num_seqs, "max_queued_requests": max_num_seqs,
                                        "backpressure_config": {"status_code": 503, "retry_after_s": 1},
                                        "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": EXPORT_1S}}}
 
@@ -252,7 +253,8 @@ def test_ingress_replicas_share_the_decode_capacity_and_explicit_options_win():
     raw["decode"]["cpu_cores"] = ["1", "1", "1"]
     raw["ingress"]["deployment_config"] = {"num_replicas": 2, "max_queued_requests": 7}
     options = ingress_options(PDAppConfig.model_validate(raw))
-    assert options["max_ongoing_requests"] == 48 and options["max_queued_requests"] == 7
+    assert PDAppConfig.model_validate(raw).ingress_slots == 48  # 3 x 32 decode slots over 2 ingress replicas
+    assert options["max_ongoing_requests"] == 3 * 48 and options["max_queued_requests"] == 7
     assert engine_deployment(DecodeServer, PDAppConfig.model_validate(raw).decode)._deployment_config.health_check_period_s == 2
     raw["decode"]["deployment_config"].update(max_ongoing_requests=5, health_check_period_s=7)
     decode = engine_deployment(DecodeServer, PDAppConfig.model_validate(raw).decode)
@@ -268,7 +270,7 @@ def test_autoscaling_passes_through_to_the_engine_deployment():
     decode = engine_deployment(DecodeServer, config.decode)._deployment_config
     assert (decode.autoscaling_config.min_replicas, decode.autoscaling_config.max_replicas) == (1, 3)
     # the ingress admits what the decode replicas can run once scaled out
-    assert ingress_options(config)["max_ongoing_requests"] == 3 * config.decode.max_num_seqs
+    assert config.ingress_slots == 3 * config.decode.max_num_seqs
 
     raw["decode"]["cpu_cores"] = ["1"]
     with pytest.raises(ValidationError, match="up to 3 replica"):
