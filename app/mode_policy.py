@@ -113,6 +113,9 @@ class CostPriors:
     admit_step_s: float = 0.01  # one decode step that takes a new request's KV in
     stall_weight: float = 1.0  # a second of a stream's stall against a second of the new request's TTFT
     push_kv_limit: float = 0.9  # push holds decode blocks while prefill runs: not onto a decode fuller than this
+    # Push holds a decode slot and blocks from arrival: not while the prompts queued at prefill ahead of it would keep
+    # them idle longer than this (under load that idles decode's slots, and every mode's requests wait for them).
+    push_queue_limit_s: float = 0.05
     learning_rate: float = 0.2  # weight of each new observation in the learned coefficients
     min_samples: int = 3  # an option seen fewer times than this at a load level is worth exploring there
     explore_every: int = 20  # at most one exploring decision in this many
@@ -292,8 +295,7 @@ class ModePolicy:
 
     def _auto(self, request: RequestFeatures, best: _BestReplicas) -> Decision:
         costs = self._costs(request, best)
-        options = [mode for mode in costs if mode != "push" or (
-            request.push_capable and best.decode.kv_cache_usage <= self.config.priors.push_kv_limit)]
+        options = [mode for mode in costs if mode != "push" or self._push_holds_little(request, best)]
         cheapest = min(options, key=lambda m: costs[m].score)
         self._since_explore += 1
         if self._since_explore >= self.config.priors.explore_every:
@@ -306,6 +308,14 @@ class ModePolicy:
                 mode = min(unseen, key=lambda m: (samples[m], costs[m].score))
                 return Decision(mode, EXPLORE, best.bound(mode), costs, best.streams(mode))
         return Decision(cheapest, LOWEST_COST, best.bound(cheapest), costs, best.streams(cheapest))
+
+    def _push_holds_little(self, request: RequestFeatures, best: _BestReplicas) -> bool:
+        """Push binds a decode replica's slot and blocks at arrival: only where they are free (KV under
+        `push_kv_limit`) and prefill would start the prompt soon (its queue under `push_queue_limit_s`)."""
+        priors = self.config.priors
+        prefill = self.model.prefill("prefill", load_level(best.streams("push")))
+        return (request.push_capable and best.decode.kv_cache_usage <= priors.push_kv_limit
+                and best.prefill.queued_prefill_tokens * prefill.s_per_token <= priors.push_queue_limit_s)
 
     def _by_rule(self, request: RequestFeatures, best: _BestReplicas) -> Mode:
         rule = self.config.rule

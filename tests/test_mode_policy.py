@@ -85,6 +85,17 @@ def test_push_is_not_chosen_onto_a_decode_whose_kv_is_nearly_full():
     assert policy(priors=priors).decide(request(20_000), full).mode == "pull"
 
 
+def test_push_is_not_chosen_while_prompts_queued_at_prefill_would_keep_its_decode_slot_idle():
+    priors = CostPriors(**{**PRIORS.__dict__, "hop_s": {"push": 0.001, "pull": 0.004, "local": 0.001},
+                           "push_queue_limit_s": 0.005})  # 5,000 queued tokens at 1 us each
+    decode = [ReplicaLoad("d0", decoding=8)]
+    short = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=4_000)], decode=decode)
+    long = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=6_000)], decode=decode)
+    assert policy(priors=priors).decide(request(20_000), short).mode == "push"
+    decision = policy(priors=priors).decide(request(20_000), long)
+    assert decision.mode == "pull" and decision.costs["push"].score < decision.costs["pull"].score
+
+
 def test_an_explicit_mode_is_obeyed_in_every_mode():
     for mode in ("push", "pull", "local"):
         decision = policy().decide(request(100, requested_mode=mode), cluster())
