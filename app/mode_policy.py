@@ -34,6 +34,8 @@ from typing import Literal, Mapping
 Mode = Literal["push", "pull", "local"]
 MODES: tuple[Mode, ...] = ("push", "pull", "local")
 Policy = Literal["auto", "threshold"]
+# Every way the app serves a request: always one mode, or a policy choosing one per request.
+SERVING: tuple[Mode | Policy, ...] = (*MODES, "threshold", "auto")
 Role = Literal["prefill", "decode"]
 
 # Why a request went the way it did (the `x-kv-transfer-reason` header, the metrics label).

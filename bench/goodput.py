@@ -43,14 +43,14 @@ import httpx
 from rich.console import Console
 from tqdm import tqdm
 
+from app.mode_policy import MODES, SERVING
 from app.service_class import ServiceClass
 from bench.load import Sample, Target, percentile, send
 from bench.report import machine, update_readme
 from bench.systems import ROOT, bench_config, side_by_side
 from sim.workload import CLASSES, Arrival, arrivals
 
-APP_SYSTEMS = ("push", "pull", "local", "threshold", "auto")
-FIXED = ("push", "pull", "local")
+APP_SYSTEMS = SERVING  # this app, served each way
 SYSTEMS = ("vllm", "vllm-x2", *APP_SYSTEMS)
 IDLE_WAIT_S = 60  # a prefill lease is 30 s: KV still held after this is stranded
 
@@ -179,7 +179,7 @@ def wait_idle(run) -> dict:
 # -- report ------------------------------------------------------------------------------------------------------
 
 def best_fixed(cells: dict, rate) -> str:
-    return max(FIXED, key=lambda m: cells[m][rate]["interactive"]["goodput_rps"])
+    return max(MODES, key=lambda m: cells[m][rate]["interactive"]["goodput_rps"])
 
 
 def knee(cells: dict, rates: list) -> float:
@@ -211,7 +211,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {rate:g} | {name} | {i['goodput_rps']:.2f} | {fmt_share(i['attainment'])} | "
                          f"{fmt_ms(i['ttft_p99'])} | {b['goodput_rps']:.2f} | {fmt_share(b['attainment'])} | "
                          f"{b['shed']} | {i['unfinished'] + b['unfinished']} | {mix} |")
-    if all(m in cells for m in (*FIXED, "auto")):
+    if all(m in cells for m in (*MODES, "auto")):
         at_knee = knee({m: {r: cells[m][str(r)] for r in rates} for m in cells}, rates)
         lines += ["", f"`auto`'s interactive goodput against the best fixed mode's and two plain engines' (knee: "
                   f"{at_knee:g}/s, where the best fixed mode's peaks):", "",
@@ -219,7 +219,7 @@ def markdown(results: dict) -> str:
                   "|---|---|---|---|---|---|"]
         for rate in rates:
             row = {n: cells[n][str(rate)]["interactive"]["goodput_rps"] for n in names}
-            best = max(FIXED, key=row.get)
+            best = max(MODES, key=row.get)
             lines.append(f"| {rate:g} | {best} {row[best]:.2f} | {ratio(row['auto'], row[best])} | "
                          f"{ratio(row.get('threshold'), row[best])} | {ratio(row['auto'], row.get('vllm-x2'))} | "
                          f"{ratio(row['auto'], row.get('vllm'))} |")

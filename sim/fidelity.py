@@ -13,13 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from app.service_class import ServiceClass
-from app.mode_policy import PolicyConfig
+from app.mode_policy import SERVING, PolicyConfig
 from sim.clock import Clock
 from sim.cluster import SimApp
 from sim.profile import Profile, load_profile
 from sim.workload import arrivals
 
-APP_SYSTEMS = ("push", "pull", "local", "threshold", "auto")
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50")
 
 
@@ -27,7 +26,7 @@ def replay(run: dict, profile: Profile, prefill: int, decode: int) -> dict[str, 
     """The simulator's TTFT p50/p99 and ITL p50 (ms) for each of the run's app systems and rates."""
     classes = {name: ServiceClass(**c) for name, c in run["classes"].items()}
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for system in APP_SYSTEMS:
+    for system in SERVING:
         if system not in run["cells"]:
             continue
         out[system] = {}

@@ -177,11 +177,12 @@ def test_an_interactive_request_overtakes_batch_work_queued_on_the_engine(app):
     assert all(first["prefill_scheduled"] <= events["prefill_scheduled"] + 0.05 for events in waiting), (first, waiting)
 
 
-def _batch_stream(base_url: str, prompt: list[int], pd_class: str = "batch") -> tuple[httpx.Response, float, float]:
+def _batch_stream(base_url: str, prompt: list[int], pd_class: str = "batch",
+                  max_tokens: int = 200) -> tuple[httpx.Response, float, float]:
     """A long stream read to its end: the response (its body read), when its headers came (the ingress sends them
     once the request has a slot) and when it ended."""
     with httpx.stream("POST", base_url + "/v1/completions", timeout=120, headers={"x-pd-class": pd_class}, json={
-            "model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}) as response:
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}) as response:
         started = time.time()
         response.read()
     return response, started, time.time()
@@ -234,8 +235,8 @@ def test_a_full_queue_turns_away_waiting_batch_for_an_interactive_request_with_4
     interactive request arriving then takes the waiting one's place (429, Retry-After: 1), runs once the first
     ends; one more request of either class finds nothing less urgent waiting and is turned away itself."""
     with _ingress(app, "one-slot", {"slots": 1}) as url, concurrent.futures.ThreadPoolExecutor(5) as pool:
-        running = pool.submit(_batch_stream, url, _prompt(1))
-        time.sleep(0.3)  # a 200-token stream alone takes 2 s or more here
+        running = pool.submit(_batch_stream, url, _prompt(1), max_tokens=600)  # alone, 4 s or more here
+        time.sleep(0.3)
         waiting = pool.submit(_batch_stream, url, _prompt(2))
         time.sleep(0.3)
         interactive = pool.submit(_batch_stream, url, _prompt(3), "interactive")

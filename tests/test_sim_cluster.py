@@ -12,7 +12,7 @@ import app.admission
 import app.load_view
 import app.mode_policy
 import sim.cluster
-from app.service_class import ServiceClass, default_classes
+from app.service_class import default_classes
 from app.mode_policy import PolicyConfig
 from sim.clock import Clock
 from sim.cluster import SimApp
@@ -126,4 +126,3 @@ def test_the_simulator_runs_the_apps_own_policy_load_view_and_admission():
 def test_a_profile_reads_from_yaml_and_names_its_sources():
     profile = load_profile("cpu-tiny")
     assert profile.decode.long_prefill_token_threshold == 256 and profile.sources
-    assert ServiceClass(ttft_slo_ms=1, tpot_slo_ms=1)  # classes come from the app's config, not a copy
