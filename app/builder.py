@@ -64,10 +64,12 @@ def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve
 def ingress_options(config: PDAppConfig) -> dict[str, Any]:
     """An ingress replica runs `ingress_slots` requests and queues as many more by class (app/admission.py); Serve
     lets it hold as many again, which it turns away at once when its queue is full, so that no request waits in
-    Serve's own queue (first come, first served) behind batch work. Past even that, Serve answers 503 with a
-    Retry-After header (back-pressure) rather than let its queue grow without bound."""
+    Serve's own queue (first come, first served) behind batch work. Serve's queue counts every request not yet
+    handed to a replica, so a burst arriving at once passes through it: it holds as many as the replicas do.
+    Past even that, Serve answers 503 with a Retry-After header (back-pressure) rather than let it grow without
+    bound."""
     slots = config.ingress_slots
-    options = {"max_ongoing_requests": 3 * slots, "max_queued_requests": slots,
+    options = {"max_ongoing_requests": 3 * slots, "max_queued_requests": 3 * slots,
                "backpressure_config": {"status_code": 503, "retry_after_s": 1}, **config.ingress.deployment_config}
     return {**options, "ray_actor_options": with_serve_env(options.get("ray_actor_options", {}))}
 

@@ -234,9 +234,9 @@ def test_a_full_queue_turns_away_waiting_batch_for_an_interactive_request_with_4
     """An ingress of one slot and a queue of one: a batch stream runs, a second batch request waits, and an
     interactive request arriving then takes the waiting one's place (429, Retry-After: 1), runs once the first
     ends; one more request of either class finds nothing less urgent waiting and is turned away itself.
-    Serve may hold 8 requests here rather than 3 (3x its slots): the turned-away one still counts at Serve until
-    its answer is out, and this test is about the ingress's answers, not Serve's 503 (the test after this one)."""
-    ingress = {"slots": 1, "deployment_config": {"max_ongoing_requests": 8}}
+    Serve may hold 8 here and queue 8 (rather than 3x the one slot): a turned-away request still counts at Serve
+    until its answer is out, and this test is about the ingress's answers, not Serve's 503 (the next test)."""
+    ingress = {"slots": 1, "deployment_config": {"max_ongoing_requests": 8, "max_queued_requests": 8}}
     with _ingress(app, "one-slot", ingress) as url, concurrent.futures.ThreadPoolExecutor(5) as pool:
         running = pool.submit(_batch_stream, url, _prompt(1), max_tokens=600)  # alone, 4 s or more here
         time.sleep(0.3)
@@ -259,7 +259,7 @@ def test_a_full_queue_turns_away_waiting_batch_for_an_interactive_request_with_4
 def test_past_the_ingress_and_its_queue_serve_answers_503_with_retry_after(app):
     """Serve itself holding one request at the ingress and queueing one: a third request in flight at once is
     refused by Serve at once, saying when to come back."""
-    ingress = {"slots": 1, "deployment_config": {"max_ongoing_requests": 1}}
+    ingress = {"slots": 1, "deployment_config": {"max_ongoing_requests": 1, "max_queued_requests": 1}}
     with _ingress(app, "one-held", ingress) as url, concurrent.futures.ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda i: _batch_stream(url, _prompt(i * 13 % 7)), range(4)))
     codes = sorted(r.status_code for r, _, _ in answers)

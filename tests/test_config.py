@@ -225,9 +225,11 @@ def test_deployments_admit_what_their_engines_run_at_once():
     assert engine_deployment(DecodeServer, config.decode).max_ongoing_requests == max_num_seqs
     assert engine_deployment(PrefillServer, config.prefill).max_ongoing_requests == max_num_seqs
     # The ingress runs as many requests as the decode replicas do and queues as many by class; Serve lets it hold
-    # as many again (to turn away), and queues a bounded number beyond that (503 with Retry-After: 1 past it).
+    # as many again (to turn away), and queues as many (a burst arriving at once passes through Serve's queue;
+    # 503 with Retry-After: 1 past it).
     assert config.ingress_slots == max_num_seqs
-    assert ingress_options(config) == {"max_ongoing_requests": 3 * max_num_seqs, "max_queued_requests": max_num_seqs,
+    assert ingress_options(config) == {"max_ongoing_requests": 3 * max_num_seqs,
+                                       "max_queued_requests": 3 * max_num_seqs,
                                        "backpressure_config": {"status_code": 503, "retry_after_s": 1},
                                        "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": EXPORT_1S}}}
 
