@@ -5,7 +5,12 @@ service class at most its share of them, so that batch work never fills the slot
 rest wait in one queue ordered by class priority, then arrival: an interactive request never waits behind batch
 work. When the queue is full, the least urgent request in it makes room for a more urgent newcomer (or the newcomer
 is turned away, if nothing waiting is less urgent); either way the one turned away is told to come back later.
-Pure: the ingress (and the simulator) hold the requests and wake them; this decides."""
+
+A class's share is a ceiling, not a promise: when a request misses its class's latency objectives, every less
+urgent class's share is halved, and each request that meets its own lets the cut shares grow back (additive
+increase, multiplicative decrease), so batch work runs with what interactive requests leave, as measured by their
+latency rather than guessed from slot counts. With no more urgent request running or waiting, a share is whole.
+Pure: the ingress (and the simulator) hold the requests, judge their latency and wake them; this decides."""
 
 from __future__ import annotations
 
@@ -27,7 +32,9 @@ class Ticket:
 
     pd_class: str
     rank: tuple[int, int]  # (class priority, arrival order): the lowest runs first
+    cuts_before: int  # how many times the shares had been cut when it arrived
     state: str = WAITING
+    judged: bool = False  # whether its latency was already told (`judged`)
 
 
 class ClassAdmission:
@@ -35,7 +42,10 @@ class ClassAdmission:
         self.slots, self.queue_size = slots, queue_size
         self.priority = {name: c.priority for name, c in classes.items()}
         # At least one: a class with a share of a slot still gets one.
-        self.limits = {name: max(1, math.floor(c.max_share * slots)) for name, c in classes.items()}
+        self.max_limits = {name: max(1, math.floor(c.max_share * slots)) for name, c in classes.items()}
+        self.limits = dict(self.max_limits)  # how many of each class may run now: as cut and grown back
+        self._credit: Counter[str] = Counter()  # met requests since a class's limit last grew
+        self.cuts = 0
         self.held: Counter[str] = Counter()
         self.waiting: list[Ticket] = []  # by rank
         self._arrivals = itertools.count()
@@ -47,7 +57,7 @@ class ClassAdmission:
     def arrive(self, pd_class: str) -> tuple[Ticket, list[Ticket]]:
         """A request of `pd_class` arrives: its ticket (running, waiting or shed), and the waiting tickets shed to
         make room for it."""
-        ticket = Ticket(pd_class, (self.priority[pd_class], next(self._arrivals)))
+        ticket = Ticket(pd_class, (self.priority[pd_class], next(self._arrivals)), self.cuts)
         if self._may_run(pd_class):
             self._run(ticket)
             return ticket, []
@@ -61,6 +71,29 @@ class ClassAdmission:
             shed.append(last)
         bisect.insort(self.waiting, ticket, key=lambda t: t.rank)
         return ticket, shed
+
+    def judged(self, ticket: Ticket, met: bool) -> None:
+        """Whether the request met its class's objectives, told once, as soon as known (a late first token is a
+        miss before the request ends; the ingress tells this before the request leaves). A miss halves every less
+        urgent class's share, unless the shares were cut since it arrived (it waited and ran under the old ones,
+        which that cut already answered). A met request lets every cut share grow by one slot per as many met
+        requests as the share holds; a grown share lets waiting requests start at the next `leave`."""
+        if ticket.judged:
+            return
+        ticket.judged = True
+        if met:
+            for name, limit in self.limits.items():
+                self._credit[name] += 1
+                if self._credit[name] >= limit and limit < self.max_limits[name]:
+                    self.limits[name], self._credit[name] = limit + 1, 0
+            return
+        if ticket.cuts_before < self.cuts:
+            return
+        urgency = self.priority[ticket.pd_class]
+        cut = [name for name, priority in self.priority.items() if priority > urgency]
+        for name in cut:
+            self.limits[name], self._credit[name] = max(1, self.limits[name] // 2), 0
+        self.cuts += bool(cut)
 
     def leave(self, ticket: Ticket) -> list[Ticket]:
         """A running request ended or a waiting one gave up (a shed one changes nothing): the waiting tickets that
@@ -79,7 +112,15 @@ class ClassAdmission:
         return started
 
     def _may_run(self, pd_class: str) -> bool:
+        if self.limits[pd_class] < self.max_limits[pd_class] and not self._more_urgent_than(pd_class):
+            # The cut protected more urgent requests; with none running or waiting, the share is whole again.
+            self.limits[pd_class], self._credit[pd_class] = self.max_limits[pd_class], 0
         return self.running < self.slots and self.held[pd_class] < self.limits[pd_class]
+
+    def _more_urgent_than(self, pd_class: str) -> bool:
+        urgency = self.priority[pd_class]
+        return (any(held for name, held in self.held.items() if self.priority[name] < urgency)
+                or bool(self.waiting) and self.waiting[0].rank[0] < urgency)
 
     def _run(self, ticket: Ticket) -> None:
         self.held[ticket.pd_class] += 1

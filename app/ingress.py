@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from transformers import AutoTokenizer
 
-from app.admission import RUNNING, SHED, ClassAdmission, Ticket
+from app.admission import SHED, WAITING, ClassAdmission, Ticket
 from app.config import PDAppConfig, cpu_set, hold_process_to
 from app.engine_protocol import EngineChunk, EngineRequest
 from app.first_token import can_seed
@@ -373,6 +373,7 @@ class OpenAIIngress:
             decision=decision,
             pd_class=pd_class,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            ticket=ticket,
         )
         # The slot is given back when the request ends (`_run`), or when its answer is dropped unread (on the
         # event loop, which owns the queue, whichever thread collects it).
@@ -385,12 +386,13 @@ class OpenAIIngress:
         Retry-After if the queue turns it away, a 503 if no slot frees within the request timeout."""
         ticket, shed = self.admission.arrive(pd_class)
         self._wake(shed)
-        if ticket.state not in (RUNNING, SHED):
+        if ticket.state == WAITING:
             self._woken[ticket] = asyncio.get_running_loop().create_future()
             try:
                 async with asyncio.timeout(self.timeout_s):
                     await self._woken[ticket]
             except TimeoutError:
+                self.admission.judged(ticket, met=False)
                 self._leave(ticket)
                 raise APIError(503, f"no request slot freed within {self.timeout_s} s; retry shortly",
                                "service_unavailable", code="queue_timeout", headers=RETRY_SOON) from None
@@ -423,6 +425,7 @@ class OpenAIIngress:
             async with asyncio.timeout(self.timeout_s):
                 async for chunk in admitted.chunks:
                     admitted.output.add(chunk)
+                    self._judge(admitted, ended=False)
                     yield chunk
             outcome = "ok"
         except TimeoutError as e:
@@ -436,12 +439,30 @@ class OpenAIIngress:
             logger.exception("request %s failed", admitted.writer.request_id)
             raise APIError(500, f"request failed: {e!r}", "server_error") from e
         finally:
+            if outcome == "ok":
+                self._judge(admitted, ended=True)
+                self.metrics.class_limits(self.admission.limits)
             admitted.release_slot()
             await admitted.chunks.aclose()
             self.metrics.finished(admitted.mode, admitted.decision.reason, admitted.pd_class, outcome,
                                   admitted.output.timeline, len(admitted.output.token_ids))
             if outcome == "ok":
                 self._learn(admitted)
+
+    def _judge(self, admitted: Admitted, ended: bool) -> None:
+        """Tells the queue whether the request met its class's objectives (ingress-seen), as soon as known: a late
+        first token is a miss at once; otherwise it is judged when it ends (app/admission.py cuts or grows the less
+        urgent classes' shares with it)."""
+        events = admitted.output.timeline.events
+        if admitted.ticket.judged or "first_token_sent" not in events:
+            return
+        service_class, ttft_s = self.classes[admitted.pd_class], events["first_token_sent"] - events["arrival"]
+        if not service_class.met(ttft_s):
+            self.admission.judged(admitted.ticket, met=False)
+        elif ended:
+            num_tokens = len(admitted.output.token_ids)
+            tpot_s = (time.time() - events["first_token_sent"]) / (num_tokens - 1) if num_tokens > 1 else None
+            self.admission.judged(admitted.ticket, met=service_class.met(ttft_s, tpot_s))
 
     async def _whole(self, admitted: Admitted) -> dict:
         async for _ in self._run(admitted):
@@ -494,6 +515,7 @@ class Admitted:
     decision: Decision
     pd_class: str
     include_usage: bool
+    ticket: Ticket  # its place in the ingress's queue, told whether the request met its class's objectives
     release_slot: weakref.finalize | None = None
 
 

@@ -53,6 +53,14 @@ class IngressMetrics:
         self.in_flight_gauge = metrics.Gauge(
             "pd_requests_in_flight", description="Requests started and not yet ended, by mode.", tag_keys=by_mode)
         self._in_flight: Counter[str] = Counter()
+        self.class_limit_gauge = metrics.Gauge(
+            "pd_class_running_limit", description="How many requests of each service class an ingress replica runs "
+            "at once now: its share of the slots, cut while more urgent requests miss their objectives "
+            "(app/admission.py).", tag_keys=("class",))
+
+    def class_limits(self, limits: dict[str, int]) -> None:
+        for pd_class, limit in limits.items():
+            self.class_limit_gauge.set(limit, tags={"class": pd_class})
 
     @property
     def in_flight(self) -> int:

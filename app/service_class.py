@@ -28,6 +28,11 @@ class ServiceClass(StrictModel):
         "stall a mode imposes on running streams (`mode_policy.stall_weight`): below 1, the class takes a mode "
         "that is cheaper for the others and slower for itself (app/mode_policy.py).")
 
+    def met(self, ttft_s: float, tpot_s: float | None = None) -> bool:
+        """Whether a request met this class's objectives: its time to first token and, if it had more than one
+        token, its mean time per token after the first."""
+        return ttft_s * 1e3 <= self.ttft_slo_ms and (tpot_s is None or tpot_s * 1e3 <= self.tpot_slo_ms)
+
 
 def default_classes() -> dict[str, ServiceClass]:
     # On this project's CPU presets: a 1,900-token prompt prefills in ~0.4 s idle, a stream steps every 10-30 ms.

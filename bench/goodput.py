@@ -76,10 +76,7 @@ def prompt_ids(requests: list[Arrival], seed: int) -> list[list[int]]:
 
 
 def met_slo(outcome: Outcome, slo: ServiceClass) -> bool:
-    sample = outcome.sample
-    if sample is None:
-        return False
-    return sample.ttft * 1e3 <= slo.ttft_slo_ms and (sample.tpot is None or sample.tpot * 1e3 <= slo.tpot_slo_ms)
+    return outcome.sample is not None and slo.met(outcome.sample.ttft, outcome.sample.tpot)
 
 
 async def run_cell(target: Target, requests: list[Arrival], prompts: list[list[int]], app: bool,

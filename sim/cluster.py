@@ -263,6 +263,8 @@ class SimApp:
         sent = now + self.profile.hops.to_client_s
         served.token_times.append(sent)
         served.timeline.events.setdefault("first_token_sent", sent)
+        if len(served.token_times) == 1 and not self.classes[served.arrival.qos_class].met(served.ttft_s):
+            self.admission.judged(served.ticket, met=False)  # as the ingress does: a late first token, told at once
 
     @staticmethod
     def _engine_events(served: Served, role: str, leg: SimRequest, first_token: float) -> None:
@@ -282,5 +284,8 @@ class SimApp:
                                            served.timeline.phases())
             if seen is not None:
                 self.policy.model.observe(seen)
+        if served.token_times:
+            self.admission.judged(served.ticket, self.classes[served.arrival.qos_class].met(served.ttft_s,
+                                                                                            served.tpot_s))
         for ticket in self.admission.leave(served.ticket):
             self._start(self.waiting.pop(ticket))

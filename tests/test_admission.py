@@ -78,3 +78,52 @@ def test_the_ingress_slots_follow_the_decode_capacity_unless_configured():
     assert PDAppConfig.model_validate(raw).ingress_slots == raw["decode"]["engine_kwargs"]["max_num_seqs"]
     raw["ingress"]["slots"] = 10
     assert PDAppConfig.model_validate(raw).ingress_slots == 10
+
+
+def test_an_interactive_miss_halves_batchs_share_once_per_cut_and_met_requests_grow_it_back():
+    queue = admission(slots=32, queue_size=32)  # batch's share: 16
+    before = queue.arrive("interactive")[0]
+    late = queue.arrive("interactive")[0]
+    queue.judged(late, met=False)
+    assert queue.limits == {"interactive": 32, "batch": 8}
+    queue.judged(late, met=False)  # told twice: counted once
+    queue.judged(before, met=False)  # arrived before that cut, which already answered its wait
+    assert queue.limits["batch"] == 8
+    for _ in range(3):  # each miss by a request that arrived after the last cut cuts again, down to one
+        queue.judged(queue.arrive("interactive")[0], met=False)
+    assert queue.limits["batch"] == 1
+    queue.judged(queue.arrive("interactive")[0], met=False)
+    assert queue.limits == {"interactive": 32, "batch": 1}
+    # A miss by the least urgent class cuts nothing.
+    queue.judged(queue.arrive("batch")[0], met=False)
+    assert queue.limits["batch"] == 1
+    # Additive increase: one slot more per as many met requests (of any class) as the share holds.
+    grown = []
+    for _ in range(1 + 2 + 3):
+        queue.judged(queue.arrive("batch")[0], met=True)
+        grown.append(queue.limits["batch"])
+    assert grown == [2, 2, 3, 3, 3, 4]
+    for _ in range(200):
+        queue.judged(queue.arrive("interactive")[0], met=True)
+    assert queue.limits["batch"] == 16  # never past its share
+
+
+def test_a_cut_share_holds_back_waiting_batch_until_it_grows_again():
+    queue = admission(slots=4, queue_size=4)  # batch's share: 2
+    batch = [queue.arrive("batch")[0] for _ in range(3)]
+    interactive = queue.arrive("interactive")[0]
+    queue.judged(interactive, met=False)
+    assert queue.limits["batch"] == 1
+    assert queue.leave(batch[0]) == [] and batch[2].state == WAITING  # one batch request still runs: its share
+    queue.judged(queue.arrive("interactive")[0], met=True)
+    assert queue.leave(interactive) == [batch[2]]
+
+
+def test_with_no_more_urgent_request_left_a_cut_share_is_whole_again():
+    queue = admission(slots=8, queue_size=8)  # batch's share: 4
+    interactive = queue.arrive("interactive")[0]
+    queue.judged(interactive, met=False)
+    assert queue.limits["batch"] == 2
+    assert states(queue.arrive("batch")[0] for _ in range(3)) == [RUNNING, RUNNING, WAITING]
+    queue.leave(interactive)  # nothing left to protect: the waiting batch request runs, and more after it
+    assert queue.limits["batch"] == 4 and queue.arrive("batch")[0].state == RUNNING

@@ -16,6 +16,7 @@ import openai
 import psutil
 import pytest
 
+from app.service_class import default_classes
 from conftest import CASES, ROOT, Case, app_config
 
 pytestmark = pytest.mark.engines
@@ -254,6 +255,25 @@ def test_a_full_queue_turns_away_waiting_batch_for_an_interactive_request_with_4
     assert interactive_started > first_ended - 0.5  # it waited for the one slot
     loads = app.wait_until_idle(timeout_s=60)
     assert all(load["kv_cache_usage"] == 0 and load["running"] == 0 for load in loads.values()), loads
+
+
+def test_an_interactive_request_missing_its_ttft_cuts_batchs_share_until_batch_requests_meet_theirs(app):
+    """An interactive stream promised its first token within 1 ms misses it: the ingress halves batch's share of
+    its 4 slots (2) to one, so of three batch streams sent while it runs, one runs and two wait; once that one ends
+    having met its objectives, batch's share grows back to two and both start."""
+    classes = {name: c.model_dump() for name, c in default_classes().items()}
+    classes["interactive"]["ttft_slo_ms"] = 1
+    with _ingress(app, "strict", {"slots": 4, "classes": classes}) as url, \
+            concurrent.futures.ThreadPoolExecutor(4) as pool:
+        interactive = pool.submit(_batch_stream, url, _prompt(1), "interactive", max_tokens=600)  # 4 s or more
+        time.sleep(1.0)  # its first token is out, late
+        batch = [pool.submit(_batch_stream, url, _prompt(2 + i), max_tokens=50) for i in range(3)]
+        answers = [f.result() for f in batch]
+        interactive_ended = interactive.result()[2]
+    assert [r.status_code for r, _, _ in answers] == [200] * 3, [r.text for r, _, _ in answers]
+    starts, first_ended = sorted(started for _, started, _ in answers), min(ended for _, _, ended in answers)
+    assert starts[1] > first_ended - 0.5 and abs(starts[2] - starts[1]) < 0.5, (starts, first_ended)
+    assert interactive_ended > starts[2]  # still running: the share grew back, not made whole by an idle ingress
 
 
 def test_past_the_ingress_and_its_queue_serve_answers_503_with_retry_after(app):

@@ -90,6 +90,8 @@ def test_ingress_metrics_by_mode_and_outcome(app):
             mean = grew(after, f"{name}_sum", mode=mode) / count
             assert 0 < mean < 30, (name, mode, mean)
         assert series(after, "ray_pd_requests_in_flight", mode=mode) == 0
+    for pd_class in set(classes.values()):  # each class's running limit, as the ingress's queue holds it now
+        assert series(after, "ray_pd_class_running_limit", **{"class": pd_class}) >= 1, pd_class
 
 
 def test_dashboard_queries_only_exported_metrics_and_labels(app):

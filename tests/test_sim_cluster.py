@@ -95,6 +95,21 @@ def test_batch_past_its_share_waits_past_the_queue_is_shed_and_interactive_goes_
     assert all(s.done for s in served if not s.shed)
 
 
+def test_interactive_requests_missing_their_ttft_cut_batchs_share_until_met_requests_grow_it_back():
+    # One long interactive stream, and eight long interactive prompts at once: one prefill engine answers the last
+    # four past their 2 s TTFT.
+    requests = [Arrival(0.0, 100, 3000, "interactive")]
+    requests += [Arrival(0.001 * (1 + i), 4000, 4, "interactive") for i in range(8)]
+    requests += [Arrival(10.0 + 0.001 * i, 100, 200, "batch") for i in range(6)]  # later, the stream still on
+    simulated = simulate("pull", requests, slots=10)  # batch's share: 5
+    stream, interactive, batch = simulated.served[0], simulated.served[1:9], simulated.served[9:]
+    assert [s.ttft_s > 2.0 for s in interactive] == [False] * 4 + [True] * 4
+    assert simulated.admission.cuts == 1  # the four arrived before the first miss cut batch's share to 2
+    starts, ends = sorted(s.token_times[0] for s in batch), sorted(s.token_times[-1] for s in batch)
+    assert starts[1] < 10.1 < ends[0] < starts[2] < stream.token_times[-1]  # two ran; a third waited for one
+    assert all(s.done for s in simulated.served)
+
+
 def test_beyond_every_slot_requests_wait_for_one():
     burst = [Arrival(0.0, 200, 20, "interactive") for _ in range(4)]
     simulated = simulate("local", burst, slots=2)  # and two may wait
