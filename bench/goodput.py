@@ -131,7 +131,25 @@ def cell_stats(outcomes: list[Outcome], classes: dict[str, ServiceClass], window
     return stats
 
 
-async def measure(run, classes: dict[str, ServiceClass], args, max_model_len: int, console: Console) -> dict:
+def request_records(rate: float, system: str, outcomes: list[Outcome], classes: dict[str, ServiceClass]) -> list:
+    """One line per request of a cell, for looking into why requests missed: its class, mode and the policy's
+    predictions (the app's), what it took, and which objective it missed."""
+    records = []
+    for o in outcomes:
+        record = {"rate": rate, "system": system, "class": o.arrival.qos_class, "prompt_tokens":
+                  o.arrival.prompt_tokens, "max_tokens": o.arrival.max_tokens, "status": o.status}
+        if o.sample is not None:
+            slo = classes[o.arrival.qos_class]
+            record |= {"ttft_ms": round(o.sample.ttft * 1e3, 1), "met_ttft": slo.met(o.sample.ttft),
+                       "tpot_ms": None if o.sample.tpot is None else round(o.sample.tpot * 1e3, 1),
+                       "met": slo.met(o.sample.ttft, o.sample.tpot), "decision": o.sample.decision,
+                       "phases_ms": o.sample.phases_ms}
+        records.append(record)
+    return records
+
+
+async def measure(run, classes: dict[str, ServiceClass], args, max_model_len: int, console: Console,
+                  requests_log: Path) -> dict:
     results: dict = defaultdict(dict)
     order = random.Random(2)
     names = [n for n in SYSTEMS if n in run.systems]
@@ -155,6 +173,8 @@ async def measure(run, classes: dict[str, ServiceClass], args, max_model_len: in
                 finally:
                     system.freeze()
                 results[name][rate] = stats
+                with requests_log.open("a") as log:
+                    log.writelines(json.dumps(r) + "\n" for r in request_records(rate, name, outcomes, classes))
                 i_stats = stats["interactive"]
                 bar.write(f"{rate:g}/s {name}: interactive {i_stats['met']}/{i_stats['arrived']} met, "
                           f"batch {stats['batch']['met']}/{stats['batch']['arrived']} met, "
@@ -285,13 +305,14 @@ def main() -> None:
     classes = {n: config.ingress.classes[n] for n in CLASSES}
     console = Console()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
-    console.print(f"logs of the plain vLLM servers: {log_dir}")
+    requests_log = log_dir / "requests.jsonl"
+    console.print(f"logs of the plain vLLM servers, and every request of every cell (requests.jsonl): {log_dir}")
     headers = {n: {"x-kv-transfer-mode": n} for n in APP_SYSTEMS if n in args.systems}
     with side_by_side(config, headers, log_dir, console) as run:
         for plain in {"vllm", "vllm-x2"} - set(args.systems):
             run.systems.pop(plain)
         max_model_len = config.decode.engine_kwargs["max_model_len"]
-        cells = asyncio.run(measure(run, classes, args, max_model_len, console))
+        cells = asyncio.run(measure(run, classes, args, max_model_len, console, requests_log))
 
     results = {"machine": machine(), "config": args.config, "model": config.model_id,
                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -4,7 +4,7 @@ pure logic, no engines."""
 from __future__ import annotations
 
 from app.service_class import ServiceClass
-from bench.goodput import Outcome, cell_stats, met_slo, prompt_ids
+from bench.goodput import Outcome, cell_stats, met_slo, prompt_ids, request_records
 from bench.load import Sample
 from sim.workload import OFF_S, ON_S, OUTPUT_MAX, PROMPT_TOKENS, Arrival, arrivals
 
@@ -51,3 +51,13 @@ def test_goodput_counts_requests_that_met_both_slos():
     assert stats["interactive"]["met"] == 1 and stats["interactive"]["goodput_rps"] == 0.1
     assert stats["interactive"]["attainment"] == 1 / 3 and stats["interactive"]["unfinished"] == 1
     assert (stats["batch"]["shed"], stats["batch"]["met"], stats["batch"]["shed_without_retry_after"]) == (1, 1, 0)
+
+
+def test_each_request_is_recorded_with_the_objective_it_missed():
+    classes = {"interactive": ServiceClass(ttft_slo_ms=1000, tpot_slo_ms=50),
+               "batch": ServiceClass(ttft_slo_ms=10_000, tpot_slo_ms=500)}
+    late, slow = _outcome("interactive", "done", 1.5, 0.01), _outcome("interactive", "done", 0.5, 0.2)
+    records = request_records(14.0, "auto", [late, slow, _outcome("batch", "shed")], classes)
+    assert [(r["met_ttft"], r["met"]) for r in records[:2]] == [(False, False), (True, False)]
+    assert records[1]["tpot_ms"] == 200.0 and records[2] == {
+        "rate": 14.0, "system": "auto", "class": "batch", "prompt_tokens": 1, "max_tokens": 3, "status": "shed"}
