@@ -105,6 +105,7 @@ class OpenAIIngress:
         self.classes, self.default_class = config.ingress.classes, config.ingress.default_class
         self.admission = ClassAdmission(config.ingress_slots, config.ingress_slots, self.classes)
         self._woken: dict[Ticket, asyncio.Future] = {}  # waiting requests, each woken when it runs or is shed
+        self._ttft_due: dict[Ticket, asyncio.TimerHandle] = {}  # each request's TTFT deadline, until it leaves
         self.api_key = _api_key(config.ingress.api_key_env)
         self.flow = RequestFlow(prefill, decode, config.transfer, config.ingress.replica_wait_s)
         self.policy = ModePolicy(PolicyConfig(
@@ -358,7 +359,7 @@ class OpenAIIngress:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens),
                                        stream_interval_s=stream_interval_s, priority=self.classes[pd_class].priority)
-        ticket = await self._slot(pd_class)
+        ticket = await self._slot(pd_class, timeline)
         try:
             decision = self._decide(requested, prompt_ids, engine_request.sampling_params, pd_class)
         except BaseException:
@@ -381,11 +382,17 @@ class OpenAIIngress:
                                                  self._leave, ticket)
         return admitted
 
-    async def _slot(self, pd_class: str) -> Ticket:
+    async def _slot(self, pd_class: str, timeline: RequestTimeline) -> Ticket:
         """A running slot for a request of `pd_class`, once the queue gives it one (app/admission.py); a 429 with
-        Retry-After if the queue turns it away, a 503 if no slot frees within the request timeout."""
+        Retry-After if the queue turns it away, a 503 if no slot frees within the request timeout. From its
+        arrival on, a request with no first token out by its class's TTFT objective is a miss, told to the queue
+        then, whether it still waits or runs: the less urgent classes yield while it matters, not once the late
+        token finally comes."""
         ticket, shed = self.admission.arrive(pd_class)
         self._wake(shed)
+        due_in = timeline.events["arrival"] + self.classes[pd_class].ttft_slo_ms / 1e3 - time.time()
+        self._ttft_due[ticket] = asyncio.get_running_loop().call_later(max(0.0, due_in), self._ttft_passed, ticket,
+                                                                       timeline)
         if ticket.state == WAITING:
             self._woken[ticket] = asyncio.get_running_loop().create_future()
             try:
@@ -402,12 +409,24 @@ class OpenAIIngress:
             finally:
                 del self._woken[ticket]
         if ticket.state == SHED:
+            self._forget_ttft(ticket)
             raise APIError(429, f"this server's queue is full of requests as urgent as class {pd_class!r} or more; "
                            "retry shortly", "rate_limit_error", code="queue_full", headers=RETRY_SOON)
         return ticket
 
     def _leave(self, ticket: Ticket) -> None:
+        self._forget_ttft(ticket)
         self._wake(self.admission.leave(ticket))
+
+    def _forget_ttft(self, ticket: Ticket) -> None:
+        due = self._ttft_due.pop(ticket, None)  # None: it passed
+        if due is not None:
+            due.cancel()
+
+    def _ttft_passed(self, ticket: Ticket, timeline: RequestTimeline) -> None:
+        self._ttft_due.pop(ticket)
+        if "first_token_sent" not in timeline.events:
+            self.admission.judged(ticket, met=False)
 
     def _wake(self, tickets: list[Ticket]) -> None:
         for ticket in tickets:
@@ -425,7 +444,6 @@ class OpenAIIngress:
             async with asyncio.timeout(self.timeout_s):
                 async for chunk in admitted.chunks:
                     admitted.output.add(chunk)
-                    self._judge(admitted, ended=False)
                     yield chunk
             outcome = "ok"
         except TimeoutError as e:
@@ -440,7 +458,7 @@ class OpenAIIngress:
             raise APIError(500, f"request failed: {e!r}", "server_error") from e
         finally:
             if outcome == "ok":
-                self._judge(admitted, ended=True)
+                self._judge(admitted)
                 self.metrics.class_limits(self.admission.limits)
             admitted.release_slot()
             await admitted.chunks.aclose()
@@ -449,20 +467,16 @@ class OpenAIIngress:
             if outcome == "ok":
                 self._learn(admitted)
 
-    def _judge(self, admitted: Admitted, ended: bool) -> None:
-        """Tells the queue whether the request met its class's objectives (ingress-seen), as soon as known: a late
-        first token is a miss at once; otherwise it is judged when it ends (app/admission.py cuts or grows the less
-        urgent classes' shares with it)."""
+    def _judge(self, admitted: Admitted) -> None:
+        """Tells the queue whether the request that ended met its class's objectives (ingress-seen), unless its
+        TTFT deadline already told a miss (app/admission.py cuts or grows the less urgent classes' shares)."""
         events = admitted.output.timeline.events
         if admitted.ticket.judged or "first_token_sent" not in events:
             return
-        service_class, ttft_s = self.classes[admitted.pd_class], events["first_token_sent"] - events["arrival"]
-        if not service_class.met(ttft_s):
-            self.admission.judged(admitted.ticket, met=False)
-        elif ended:
-            num_tokens = len(admitted.output.token_ids)
-            tpot_s = (time.time() - events["first_token_sent"]) / (num_tokens - 1) if num_tokens > 1 else None
-            self.admission.judged(admitted.ticket, met=service_class.met(ttft_s, tpot_s))
+        num_tokens = len(admitted.output.token_ids)
+        tpot_s = (time.time() - events["first_token_sent"]) / (num_tokens - 1) if num_tokens > 1 else None
+        ttft_s = events["first_token_sent"] - events["arrival"]
+        self.admission.judged(admitted.ticket, met=self.classes[admitted.pd_class].met(ttft_s, tpot_s))
 
     async def _whole(self, admitted: Admitted) -> dict:
         async for _ in self._run(admitted):

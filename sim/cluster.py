@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from app.admission import RUNNING, SHED, ClassAdmission, Ticket
+from app.admission import RUNNING, SHED, WAITING, ClassAdmission, Ticket
 from app.service_class import ServiceClass
 from app.load_view import LegsExpected, LegsSent, load_rank, replica_load
 from app.mode_policy import (ClusterSnapshot, Decision, ModePolicy, Observation, PolicyConfig, ReplicaLoad,
@@ -154,6 +154,13 @@ class SimApp:
             self._start(served)
         elif served.ticket.state != SHED:
             self.waiting[served.ticket] = served
+        self.clock.after(self.classes[served.arrival.qos_class].ttft_slo_ms / 1e3, self._ttft_passed, served)
+
+    def _ttft_passed(self, served: Served) -> None:
+        """As the ingress does: a request with no first token out by its class's TTFT objective is a miss then,
+        waiting or running."""
+        if served.ticket.state in (WAITING, RUNNING) and "first_token_sent" not in served.timeline.events:
+            self.admission.judged(served.ticket, met=False)
 
     def _start(self, served: Served) -> None:
         self.clock.after(self.profile.hops.ingress_s, self._decide, served)
@@ -263,8 +270,6 @@ class SimApp:
         sent = now + self.profile.hops.to_client_s
         served.token_times.append(sent)
         served.timeline.events.setdefault("first_token_sent", sent)
-        if len(served.token_times) == 1 and not self.classes[served.arrival.qos_class].met(served.ttft_s):
-            self.admission.judged(served.ticket, met=False)  # as the ingress does: a late first token, told at once
 
     @staticmethod
     def _engine_events(served: Served, role: str, leg: SimRequest, first_token: float) -> None:

@@ -110,6 +110,19 @@ def test_interactive_requests_missing_their_ttft_cut_batchs_share_until_met_requ
     assert all(s.done for s in simulated.served)
 
 
+def test_an_interactive_request_waiting_past_its_ttft_cuts_batchs_share_while_it_still_waits():
+    clock = Clock()
+    simulated = SimApp(PROFILE, 1, 1, PolicyConfig(policy="local"), default_classes(), clock, slots=4)
+    for i in range(4):  # long interactive streams hold the four slots
+        simulated.submit(Arrival(0.001 * i, 100, 3000, "interactive"))
+    late = simulated.submit(Arrival(0.01, 100, 4, "interactive"))
+    clock.run(until=1.9)
+    assert late.ticket.state == "waiting" and simulated.admission.cuts == 0
+    clock.run(until=2.1)  # its 2 s TTFT has passed, no first token yet
+    assert late.ticket.state == "waiting" and simulated.admission.cuts == 1
+    assert simulated.admission.limits["batch"] == 1
+
+
 def test_beyond_every_slot_requests_wait_for_one():
     burst = [Arrival(0.0, 200, 20, "interactive") for _ in range(4)]
     simulated = simulate("local", burst, slots=2)  # and two may wait
