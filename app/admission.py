@@ -60,6 +60,7 @@ class ClassAdmission:
         """A request of `pd_class` arrives: its ticket (running, waiting or shed), and the waiting tickets shed to
         make room for it."""
         ticket = Ticket(pd_class, (self.priority[pd_class], next(self._arrivals)), self.cuts)
+        self._restore_unneeded_cuts()
         if self._may_run(pd_class):
             self._run(ticket)
             return ticket, []
@@ -85,9 +86,10 @@ class ClassAdmission:
         ticket.judged = True
         if met:
             for name, limit in self.limits.items():
-                self._credit[name] += 1
-                if self._credit[name] >= limit and limit < self.max_limits[name]:
-                    self.limits[name], self._credit[name] = limit + 1, 0
+                if limit < self.max_limits[name]:
+                    self._credit[name] += 1
+                    if self._credit[name] >= limit:
+                        self.limits[name], self._credit[name] = limit + 1, 0
             return
         if ticket.cuts_before < self.cuts:
             return
@@ -105,6 +107,7 @@ class ClassAdmission:
         elif ticket.state == WAITING:
             self.waiting.remove(ticket)
         ticket.state = LEFT
+        self._restore_unneeded_cuts()
         started = []
         for waiting in self.waiting:
             if self._may_run(waiting.pd_class):
@@ -113,10 +116,13 @@ class ClassAdmission:
         self.waiting = [t for t in self.waiting if t.state == WAITING]
         return started
 
+    def _restore_unneeded_cuts(self) -> None:
+        """A cut protected more urgent requests; with none of them running or waiting, the share is whole again."""
+        for name, limit in self.limits.items():
+            if limit < self.max_limits[name] and not self._more_urgent_than(name):
+                self.limits[name], self._credit[name] = self.max_limits[name], 0
+
     def _may_run(self, pd_class: str) -> bool:
-        if self.limits[pd_class] < self.max_limits[pd_class] and not self._more_urgent_than(pd_class):
-            # The cut protected more urgent requests; with none running or waiting, the share is whole again.
-            self.limits[pd_class], self._credit[pd_class] = self.max_limits[pd_class], 0
         urgency = self.priority[pd_class]
         as_urgent = sum(held for name, held in self.held.items() if self.priority[name] <= urgency)
         return as_urgent < self.slots and self.held[pd_class] < self.limits[pd_class]
