@@ -1,10 +1,8 @@
 """Which requests an ingress replica runs now, which wait, and which it turns away.
 
-It runs at most `slots` requests of a class and the classes more urgent than it at once (as many as the decode
-engines run, app/config.py `ingress_slots`), each service class at most its share of them, so that batch work never
-fills the slots interactive requests need. A slot held by less urgent work does not count against a more urgent
-request: it goes on to its legs (an interactive prompt is prefilled, and its first token sent, while batch streams
-decode) rather than wait here for that work to end. The rest wait in one queue ordered by class priority, then
+It runs at most `slots` requests at once (as many as the decode engines run, app/config.py `ingress_slots`), each
+service class at most its share of them, so that batch work never fills the slots interactive requests need. The
+rest wait in one queue ordered by class priority, then
 arrival: an interactive request never waits behind batch work. When the queue is full, the least urgent request in it makes room for a more urgent newcomer (or the newcomer
 is turned away, if nothing waiting is less urgent); either way the one turned away is told to come back later.
 
@@ -123,9 +121,7 @@ class ClassAdmission:
                 self.limits[name], self._credit[name] = self.max_limits[name], 0
 
     def _may_run(self, pd_class: str) -> bool:
-        urgency = self.priority[pd_class]
-        as_urgent = sum(held for name, held in self.held.items() if self.priority[name] <= urgency)
-        return as_urgent < self.slots and self.held[pd_class] < self.limits[pd_class]
+        return self.running < self.slots and self.held[pd_class] < self.limits[pd_class]
 
     def _more_urgent_than(self, pd_class: str) -> bool:
         urgency = self.priority[pd_class]

@@ -16,18 +16,14 @@ def states(tickets) -> list[str]:
     return [t.state for t in tickets]
 
 
-def test_each_class_runs_at_most_its_share_and_a_batch_slot_never_holds_back_an_interactive_request():
+def test_each_class_runs_at_most_its_share_of_the_slots_and_the_rest_wait():
     queue = admission(slots=4, queue_size=4)
     assert queue.limits == {"interactive": 4, "batch": 2}
     batch = [queue.arrive("batch")[0] for _ in range(3)]
     assert states(batch) == [RUNNING, RUNNING, WAITING]
-    # Batch's two slots do not count against interactive requests: the engines' priority queues serve them first.
-    interactive = [queue.arrive("interactive")[0] for _ in range(5)]
-    assert states(interactive) == [RUNNING] * 4 + [WAITING]
-    assert queue.running == 6
-    # Batch counts every running request: with interactive holding the slots, no batch request starts.
-    assert queue.leave(batch[0]) == [] and batch[2].state == WAITING
-    assert queue.leave(interactive[0]) == [interactive[4]]
+    interactive = [queue.arrive("interactive")[0] for _ in range(3)]  # batch at its share takes none of these
+    assert states(interactive) == [RUNNING, RUNNING, WAITING]
+    assert queue.running == 4
 
 
 def test_a_freed_slot_goes_to_the_most_urgent_class_first_then_to_the_earliest():
@@ -41,12 +37,13 @@ def test_a_freed_slot_goes_to_the_most_urgent_class_first_then_to_the_earliest()
 
 
 def test_a_freed_slot_skips_a_class_at_its_share():
-    queue = admission(slots=4, queue_size=8)
-    running_batch = [queue.arrive("batch")[0] for _ in range(2)]  # batch's share of four slots: two
-    waiting_batch = queue.arrive("batch")[0]
+    queue = admission(slots=2, queue_size=8)
+    running_batch = queue.arrive("batch")[0]  # batch's share of two slots: one
     interactive = queue.arrive("interactive")[0]
-    assert queue.leave(interactive) == [] and waiting_batch.state == WAITING
-    assert queue.leave(running_batch[0]) == [waiting_batch]
+    waiting_batch, late_interactive = queue.arrive("batch")[0], queue.arrive("interactive")[0]
+    assert queue.leave(interactive) == [late_interactive]
+    assert waiting_batch.state == WAITING
+    assert queue.leave(running_batch) == [waiting_batch]
 
 
 def test_a_full_queue_sheds_the_least_urgent_waiting_request_for_a_more_urgent_one():
@@ -64,7 +61,7 @@ def test_a_full_queue_sheds_the_least_urgent_waiting_request_for_a_more_urgent_o
 
 def test_a_waiting_request_that_gives_up_leaves_the_queue_and_a_shed_one_changes_nothing():
     queue = admission(slots=1, queue_size=1)
-    running = queue.arrive("interactive")[0]
+    running = queue.arrive("batch")[0]
     waiting = queue.arrive("interactive")[0]
     shed = queue.arrive("interactive")[0]
     assert queue.leave(shed) == [] and queue.waiting == [waiting]

@@ -232,28 +232,27 @@ def test_batch_past_its_share_waits_for_a_slot_while_an_interactive_request_runs
 
 
 def test_a_full_queue_turns_away_waiting_batch_for_an_interactive_request_with_429_and_retry_after(app):
-    """An ingress of one slot and a queue of one: a batch stream runs, and an interactive stream arriving then runs
-    at once beside it (batch's slot does not count against it); a second batch request waits, and a second
-    interactive request, which must wait for the first, takes the waiting one's place (429, Retry-After: 1) and runs
-    once the first ends; one more request of either class finds nothing less urgent waiting and is turned away.
+    """An ingress of one slot and a queue of one: a batch stream runs, a second batch request waits, and an
+    interactive request arriving then takes the waiting one's place (429, Retry-After: 1), runs once the first
+    ends; one more request of either class finds nothing less urgent waiting and is turned away itself.
     Serve may hold 8 here and queue 8 (rather than 3x the one slot): a turned-away request still counts at Serve
     until its answer is out, and this test is about the ingress's answers, not Serve's 503 (the next test)."""
     ingress = {"slots": 1, "deployment_config": {"max_ongoing_requests": 8, "max_queued_requests": 8}}
-    sent = (("batch", 600), ("interactive", 600), ("batch", 16), ("interactive", 16))  # 600 tokens: 4 s or more
-    with _ingress(app, "one-slot", ingress) as url, concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = []
-        for i, (pd_class, max_tokens) in enumerate(sent):
-            futures.append(pool.submit(_batch_stream, url, _prompt(1 + i), pd_class, max_tokens=max_tokens))
-            time.sleep(0.3)
-        futures += [pool.submit(_batch_stream, url, _prompt(5 + i), pd_class) for i, pd_class in
-                    enumerate(("batch", "interactive"))]
-        answers = [f.result() for f in futures]
-    assert [r.status_code for r, _, _ in answers] == [200, 200, 429, 200, 429, 429], [r.text for r, _, _ in answers]
-    for response, _, _ in answers[2:3] + answers[4:]:
+    with _ingress(app, "one-slot", ingress) as url, concurrent.futures.ThreadPoolExecutor(5) as pool:
+        running = pool.submit(_batch_stream, url, _prompt(1), max_tokens=600)  # alone, 4 s or more here
+        time.sleep(0.3)
+        waiting = pool.submit(_batch_stream, url, _prompt(2))
+        time.sleep(0.3)
+        interactive = pool.submit(_batch_stream, url, _prompt(3), "interactive")
+        time.sleep(0.3)
+        late = [pool.submit(_batch_stream, url, _prompt(4 + i), pd_class) for i, pd_class in
+                enumerate(("batch", "interactive"))]
+        answers = [f.result() for f in (running, waiting, interactive, *late)]
+    assert [r.status_code for r, _, _ in answers] == [200, 429, 200, 429, 429], [r.text for r, _, _ in answers]
+    for response, _, _ in answers[1:2] + answers[3:]:
         assert response.headers["retry-after"] == "1" and response.json()["error"]["code"] == "queue_full"
-    (_, _, batch_ended), (_, first_started, first_ended), _, (_, second_started, _) = answers[:4]
-    assert first_started < batch_ended - 1.0  # it did not wait for batch's slot
-    assert second_started > first_ended - 0.5  # it waited for the one interactive slot
+    (_, _, first_ended), (_, interactive_started, _) = answers[0], answers[2]
+    assert interactive_started > first_ended - 0.5  # it waited for the one slot
     loads = app.wait_until_idle(timeout_s=60)
     assert all(load["kv_cache_usage"] == 0 and load["running"] == 0 for load in loads.values()), loads
 

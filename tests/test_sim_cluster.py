@@ -82,16 +82,16 @@ def test_every_request_gets_its_tokens_and_no_kv_is_left(policy):
     assert sum(simulated.admission.held.values()) == 0
 
 
-def test_batch_past_its_share_waits_past_the_queue_is_shed_and_interactive_runs_past_batchs_slots():
+def test_batch_past_its_share_waits_past_the_queue_is_shed_and_interactive_goes_first():
     burst = [Arrival(0.001 * i, 1500, 200, "batch") for i in range(16)]
     burst += [Arrival(0.05 + 0.001 * i, 100, 4, "interactive") for i in range(8)]
     simulated = simulate("pull", burst, slots=8)  # batch may hold half: 4; 8 may wait
     served = simulated.served
-    # 4 batch run, 8 wait, 4 find the queue full; the 8 interactive requests all run at once (the slots batch
-    # holds do not count against them), and the waiting batch requests start only as they end.
-    assert [s.shed for s in served] == [False] * 12 + [True] * 4 + [False] * 8
+    # 4 batch run, 8 wait, 4 find the queue full; 4 interactive take the free slots, and the 4 that must wait
+    # each push the latest waiting batch request out.
+    assert [s.shed for s in served] == [False] * 8 + [True] * 8 + [False] * 8
     first_token = {i: s.token_times[0] for i, s in enumerate(served) if not s.shed}
-    assert max(first_token[i] for i in range(16, 24)) < min(first_token[i] for i in range(4, 12))
+    assert max(first_token[i] for i in range(16, 24)) < min(first_token[i] for i in range(4, 8))
     assert all(s.done for s in served if not s.shed)
 
 
