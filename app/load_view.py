@@ -7,6 +7,7 @@ Pure: the time is passed in, nothing is read or sent here. The request routers a
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any, Iterable, Mapping
 
@@ -44,6 +45,12 @@ class LegsSent:
     def holds(self, replica: str) -> bool:
         """Whether legs sent to `replica` may still count on top of its report."""
         return bool(self._legs.get(replica))
+
+    def counted_until(self, replica: str) -> float:
+        """When the oldest leg that `load` last counted for `replica` ages out (inf if none): till then, and till
+        another leg or report, `load` gives the same."""
+        legs = self._legs.get(replica)
+        return legs[0][0] + SENT_LEG_MAX_AGE_S if legs else math.inf
 
     def load(self, replica: str, report: Mapping[str, Any], now: float) -> dict[str, Any]:
         """The replica's report, plus the legs sent to it since the load it reports last changed, as waiting

@@ -62,6 +62,8 @@ class Replica:
         self.report: dict = {"at": 0.0}
         self.in_flight = 0  # legs the ingress has on it (Serve's own count, which breaks ties between equal ranks)
         self.seen: dict | None = None  # the report plus legs sent since, as last computed
+        self.seen_until = 0.0  # when that stops holding by itself (a leg it counts ages out)
+        self.rank: tuple[int, int] = (0, 0)  # its load rank (app/load_view.py), as last computed
         self.load: ReplicaLoad | None = None  # the same, as the policy reads it
 
 
@@ -98,10 +100,12 @@ class SimApp:
 
     def _seen(self, role: str, replica: Replica) -> dict:
         """The replica's load as the ingress's router sees it (app/load_view.py). Kept between calls while nothing
-        it depends on changed: its report, and the legs sent to it (which also age out, so a replica with legs
-        pending is looked at afresh each time)."""
-        if replica.seen is None or self.sent[role].holds(replica.name):
-            replica.seen = self.sent[role].load(replica.name, replica.report, self.clock.now)
+        it depends on changed: its report, the legs sent to it, and which of those still count by their age."""
+        if replica.seen is None or self.clock.now >= replica.seen_until:
+            sent = self.sent[role]
+            replica.seen = sent.load(replica.name, replica.report, self.clock.now)
+            replica.seen_until = sent.counted_until(replica.name)
+            replica.rank = load_rank(replica.seen)
             replica.load = None
         return replica.seen
 
@@ -123,7 +127,10 @@ class SimApp:
     def _route(self, role: str) -> Replica:
         """Serve's request router with the app's ranking (app/routing.py): lowest load rank, then fewest legs in
         flight."""
-        return min(self.replicas[role], key=lambda r: (load_rank(self._seen(role, r)), r.in_flight))
+        replicas = self.replicas[role]
+        for replica in replicas:
+            self._seen(role, replica)
+        return min(replicas, key=lambda r: (r.rank, r.in_flight))
 
     def _send(self, role: str, replica: Replica, tokens: int) -> None:
         self.sent[role].add(replica.name, tokens, self.clock.now)

@@ -22,8 +22,11 @@ class Arrival:
 
 
 def arrivals(rate: float, window_s: float, pattern: str, interactive_share: float, max_model_len: int,
-             seed: int, prompt_tokens: tuple[int, int] = PROMPT_TOKENS) -> list[Arrival]:
-    """Requests arriving at `rate` a second on average for `window_s`."""
+             seed: int, prompt_tokens: tuple[int, int] = PROMPT_TOKENS,
+             outputs: tuple[float, float, int] = (OUTPUT_SCALE, OUTPUT_SHAPE, OUTPUT_MAX)) -> list[Arrival]:
+    """Requests arriving at `rate` a second on average for `window_s`; output lengths of scale x Pareto(shape)
+    tokens, at most max (`outputs`)."""
+    output_scale, output_shape, output_max = outputs
     rng = random.Random(seed)
     burst = (ON_S + OFF_S) / ON_S if pattern == "onoff" else 1.0
     low, high = map(math.log, prompt_tokens)
@@ -35,6 +38,6 @@ def arrivals(rate: float, window_s: float, pattern: str, interactive_share: floa
         if at >= window_s:
             return out
         n = int(math.exp(rng.uniform(low, high)))
-        tokens = min(int(OUTPUT_SCALE * rng.paretovariate(OUTPUT_SHAPE)), OUTPUT_MAX, max_model_len - n - 1)
+        tokens = min(int(output_scale * rng.paretovariate(output_shape)), output_max, max_model_len - n - 1)
         qos = CLASSES[0] if rng.random() < interactive_share else CLASSES[1]
         out.append(Arrival(at, n, tokens, qos))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from types import SimpleNamespace
 
@@ -67,6 +68,17 @@ def test_legs_sent_since_a_report_count_until_a_newer_report():
     assert ranks(a, b, by=sender) == [["b"], ["a"]]
     newer = replica("a", waiting=1, queued_prefill_tokens=500, at=time.time() + 0.01)  # the engine counts it now
     assert sender.load(newer)["waiting"] == 1 and sender.load(newer)["queued_prefill_tokens"] == 500
+
+
+def test_a_replicas_view_holds_until_its_oldest_leg_sent_ages_out():
+    sent, report = LegsSent(), {"waiting": 0, "at": 0.0}
+    assert sent.counted_until("a") == math.inf
+    sent.add("a", 100, now=1.0)
+    sent.add("a", 200, now=1.5)
+    assert sent.load("a", report, now=1.6)["waiting"] == 2 and sent.counted_until("a") == 1.0 + SENT_LEG_MAX_AGE_S
+    later = sent.load("a", report, now=1.0 + SENT_LEG_MAX_AGE_S)
+    assert later["waiting"] == 1 and sent.counted_until("a") == 1.5 + SENT_LEG_MAX_AGE_S
+    assert sent.load("a", report, now=1.5 + SENT_LEG_MAX_AGE_S)["waiting"] == 0 and sent.counted_until("a") == math.inf
 
 
 def test_a_replaced_replica_is_forgotten(monkeypatch):

@@ -1,0 +1,83 @@
+"""A scenario: a workload and a cluster shape for the simulator, read from a YAML file in sim/scenarios/.
+
+A scenario's arrival streams give their rates per decode replica, so one scenario runs at any shape (1P1D to
+256P256D) with the load per replica unchanged; the streams are merged in time order, each seeded from the
+scenario's seed and its place in the list."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+from sim.workload import OUTPUT_MAX, OUTPUT_SCALE, OUTPUT_SHAPE, PROMPT_TOKENS, Arrival, arrivals
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Stream(Strict):
+    """Open-loop arrivals over a stretch of the run."""
+
+    pattern: Literal["poisson", "onoff"] = "poisson"
+    rate_per_decode: PositiveFloat = Field(description="arrivals a second for each decode replica")
+    start_s: float = Field(default=0.0, ge=0, description="when the stream begins, from the run's start")
+    window_s: PositiveFloat | None = Field(default=None, description="how long it lasts; None: the whole run")
+    interactive_share: float = Field(default=0.7, ge=0, le=1)
+    prompt_tokens: tuple[PositiveInt, PositiveInt] = PROMPT_TOKENS  # log-uniform between the two
+    output_scale: PositiveFloat = OUTPUT_SCALE  # output tokens: scale x Pareto(shape), at most output_max
+    output_shape: PositiveFloat = OUTPUT_SHAPE
+    output_max: PositiveInt = OUTPUT_MAX
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Stream:
+        if self.prompt_tokens[0] > self.prompt_tokens[1]:
+            raise ValueError("prompt_tokens must be (shortest, longest)")
+        return self
+
+
+class Scenario(Strict):
+    name: str
+    description: str
+    profile: str = Field(description="a profile in sim/profiles/ (or a path)")
+    prefill: PositiveInt = 1
+    decode: PositiveInt = 1
+    window_s: PositiveFloat = Field(description="how long requests arrive")
+    drain_s: float = Field(default=30.0, ge=0, description="after the last arrival, for the last ones to finish")
+    streams: list[Stream] = Field(min_length=1)
+    max_model_len: PositiveInt = 2048
+    seed: int = 0
+
+    def at_shape(self, prefill: int, decode: int) -> Scenario:
+        return self.model_copy(update={"prefill": prefill, "decode": decode})
+
+    def with_requests(self, count: int) -> Scenario:
+        """The same scenario, run long enough for about `count` requests to arrive."""
+        per_second = sum(s.rate_per_decode * self.decode * (s.window_s or self.window_s) / self.window_s
+                         for s in self.streams)
+        return self.model_copy(update={"window_s": count / per_second})
+
+    def requests(self) -> list[Arrival]:
+        merged = []
+        for i, stream in enumerate(self.streams):
+            window_s = min(stream.window_s or self.window_s, self.window_s - stream.start_s)
+            if window_s <= 0:
+                continue
+            got = arrivals(stream.rate_per_decode * self.decode, window_s, stream.pattern, stream.interactive_share,
+                           self.max_model_len, seed=self.seed * 1000 + i, prompt_tokens=stream.prompt_tokens,
+                           outputs=(stream.output_scale, stream.output_shape, stream.output_max))
+            merged += [dataclasses.replace(a, at_s=a.at_s + stream.start_s) for a in got]
+        return sorted(merged, key=lambda a: a.at_s)
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    path = Path(name_or_path)
+    if not path.exists():
+        path = SCENARIOS / f"{name_or_path}.yaml"
+    return Scenario.model_validate(yaml.safe_load(path.read_text()))

@@ -1,0 +1,69 @@
+"""Scenarios (sim/scenario.py, sim/scenarios/) and the simulator's command line (python -m sim run): pure logic, no
+engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import sim.__main__ as cli
+from sim.run import simulate, summary
+from sim.scenario import SCENARIOS, load_scenario
+
+NAMES = sorted(path.stem for path in SCENARIOS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_scenario_runs_under_every_policy_and_accounts_for_every_request(name):
+    scenario = load_scenario(name).with_requests(60)
+    requests = scenario.requests()
+    assert 30 < len(requests) < 120
+    for policy in ("push", "pull", "local", "threshold", "auto"):
+        served = simulate(scenario, policy)
+        assert [s.arrival for s in served] == requests
+        assert all(s.done != s.shed for s in served), policy  # each one finished in the drain, or was turned away
+        result = summary(served, scenario.window_s)
+        assert sum(c["arrived"] for c in result["classes"].values()) == len(requests)
+        assert all(c["unfinished"] == 0 and c["met"] <= c["arrived"] - c["shed"] for c in result["classes"].values())
+
+
+def test_rates_are_per_decode_replica_and_a_run_can_be_sized_by_requests():
+    steady = load_scenario("steady")
+    one, four = len(steady.requests()), len(steady.at_shape(4, 4).requests())
+    assert 3.2 < four / one < 4.8
+    assert 9_000 < len(steady.at_shape(64, 64).with_requests(10_000).requests()) < 11_000
+
+
+def test_a_stream_arrives_in_its_own_stretch_with_its_own_prompts():
+    storm = load_scenario("long-prompt-storm")
+    requests = storm.requests()
+    long = [a for a in requests if a.prompt_tokens >= 1500]
+    background = [a for a in requests if a.prompt_tokens < 1500]
+    assert background and background[-1].at_s > 40  # the steady stream runs throughout
+    in_storm = [a for a in long if 20 <= a.at_s < 30]
+    assert len(in_storm) > 0.8 * len(long)  # the background's own long prompts are the rest
+    assert [a.at_s for a in requests] == sorted(a.at_s for a in requests)
+
+
+def test_a_seed_gives_the_same_run_and_another_seed_another():
+    scenario = load_scenario("bursty").with_requests(80)
+
+    def run(s):
+        return [(x.mode, x.shed, tuple(x.token_times)) for x in simulate(s, "auto")]
+
+    assert run(scenario) == run(scenario)
+    assert scenario.requests() != scenario.model_copy(update={"seed": 1}).requests()
+
+
+def test_the_command_line_runs_each_policy_and_writes_what_it_printed(tmp_path, capsys):
+    out = tmp_path / "results.json"
+    results = cli.main(["run", "steady", "--shape", "2x3", "--requests", "50", "--policies", "auto", "local",
+                        "--json", str(out)])
+    assert list(results["policies"]) == ["auto", "local"]
+    assert (results["scenario"]["prefill"], results["scenario"]["decode"]) == (2, 3)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    printed = capsys.readouterr().out
+    assert "steady at 2P x 3D" in printed and "interactive" in printed
+    with pytest.raises(SystemExit):
+        cli.main(["run", "steady", "--shape", "64by64"])
