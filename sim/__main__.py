@@ -1,7 +1,7 @@
 """The simulator's command line.
 
-    python -m sim run SCENARIO [--shape 64x64] [--requests 100000] [--policies auto threshold ...] [--profile P]
-                               [--seed N] [--json OUT]
+    python -m sim run SCENARIO [--shape 64x64] [--load 2.5] [--requests 100000] [--policies auto threshold ...]
+                               [--profile P] [--seed N] [--json OUT]
 
 Runs a scenario (sim/scenarios/<name>.yaml, or a path) under each policy, one after the other on the same
 arrivals, and prints per service class the goodput, SLO attainment, TTFT and ITL, the mode mix, and how long each
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = commands.add_parser("run", help="run a scenario under each policy")
     run.add_argument("scenario")
     run.add_argument("--shape", type=shape, help="prefill x decode replicas (default: the scenario's)")
+    run.add_argument("--load", type=float, default=1.0, help="every stream's rate times this")
     run.add_argument("--requests", type=int, help="arrive for as long as this many requests take (about)")
     run.add_argument("--policies", nargs="+", choices=SERVING, default=list(SERVING))
     run.add_argument("--profile", help="default: the scenario's")
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile or args.seed is not None:
         scenario = scenario.model_copy(update={k: v for k, v in (("profile", args.profile), ("seed", args.seed))
                                                if v is not None})
+    if args.load != 1.0:
+        scenario = scenario.at_load(args.load)
     if args.requests:
         scenario = scenario.with_requests(args.requests)
     results = {"scenario": scenario.model_dump(mode="json"), "policies": {}}

@@ -57,6 +57,11 @@ class Scenario(Strict):
     def at_shape(self, prefill: int, decode: int) -> Scenario:
         return self.model_copy(update={"prefill": prefill, "decode": decode})
 
+    def at_load(self, scale: float) -> Scenario:
+        """The same scenario with every stream's rate times `scale`."""
+        return self.model_copy(update={"streams": [s.model_copy(update={"rate_per_decode": s.rate_per_decode * scale})
+                                                   for s in self.streams]})
+
     def with_requests(self, count: int) -> Scenario:
         """The same scenario, run long enough for about `count` requests to arrive."""
         per_second = sum(s.rate_per_decode * self.decode * (s.window_s or self.window_s) / self.window_s

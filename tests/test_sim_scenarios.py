@@ -8,6 +8,7 @@ import json
 import pytest
 
 import sim.__main__ as cli
+from sim.profile import PROFILES, load_profile
 from sim.run import simulate, summary
 from sim.scenario import SCENARIOS, load_scenario
 
@@ -67,3 +68,14 @@ def test_the_command_line_runs_each_policy_and_writes_what_it_printed(tmp_path, 
     assert "steady at 2P x 3D" in printed and "interactive" in printed
     with pytest.raises(SystemExit):
         cli.main(["run", "steady", "--shape", "64by64"])
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in PROFILES.glob("*.yaml")))
+def test_every_profile_says_where_its_numbers_come_from_and_runs_a_scenario(name):
+    profile = load_profile(name)
+    assert {"step", "hops", "handoff"} <= set(profile.sources), profile.sources
+    if not name.startswith("cpu-"):  # not measured here: every assumption says so
+        assert "ASSUMED" in profile.sources["step"] and "ASSUMED" in profile.sources["hops"]
+    scenario = load_scenario("steady").model_copy(update={"profile": name}).at_shape(2, 2).with_requests(40)
+    served = simulate(scenario, "auto")
+    assert all(s.done for s in served)
