@@ -21,15 +21,7 @@ from tqdm import tqdm
 
 from app.mode_policy import SERVING
 from sim.run import simulate, summary
-from sim.scenario import load_scenario
-
-
-def shape(text: str) -> tuple[int, int]:
-    prefill, _, decode = text.lower().partition("x")
-    try:
-        return int(prefill), int(decode)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a shape is PREFILLxDECODE, like 64x64, not {text!r}") from None
+from sim.scenario import load_scenario, parse_shape
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -38,7 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a scenario under each policy")
     run.add_argument("scenario")
-    run.add_argument("--shape", type=shape, help="prefill x decode replicas (default: the scenario's)")
+    run.add_argument("--shape", type=parse_shape, help="prefill x decode replicas (default: the scenario's)")
     run.add_argument("--load", type=float, default=1.0, help="every stream's rate times this")
     run.add_argument("--requests", type=int, help="arrive for as long as this many requests take (about)")
     run.add_argument("--policies", nargs="+", choices=SERVING, default=list(SERVING))

@@ -6,6 +6,7 @@ scenario's seed and its place in the list."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 from typing import Literal
@@ -79,6 +80,15 @@ class Scenario(Strict):
                            outputs=(stream.output_scale, stream.output_shape, stream.output_max))
             merged += [dataclasses.replace(a, at_s=a.at_s + stream.start_s) for a in got]
         return sorted(merged, key=lambda a: a.at_s)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """A command line's PREFILLxDECODE replicas, like 64x64."""
+    prefill, _, decode = text.lower().partition("x")
+    try:
+        return int(prefill), int(decode)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is PREFILLxDECODE, like 64x64, not {text!r}") from None
 
 
 def load_scenario(name_or_path: str) -> Scenario:
