@@ -52,13 +52,14 @@ def cell(profile: str, prefill: int, decode: int, prompt_tokens: int, tail: floa
     top = max(m["attainment"] for m in by_mode.values())
     tied = sorted((m for m in MODES if top - by_mode[m]["attainment"] <= TIE), key=lambda m: by_mode[m]["ttft_p90_ms"])
     if len(tied) > 1:
-        winner, measure = tied[0], "ttft_p90"
-        margin = by_mode[tied[1]]["ttft_p90_ms"] / by_mode[winner]["ttft_p90_ms"] - 1
+        (winner, runner_up), measure = tied[:2], "ttft_p90"
+        margin = by_mode[runner_up]["ttft_p90_ms"] / by_mode[winner]["ttft_p90_ms"] - 1
     else:
         winner, measure = tied[0], "attainment"
-        runner_up = max(by_mode[m]["attainment"] for m in MODES if m != winner)
-        margin = by_mode[winner]["attainment"] / max(runner_up, 1e-9) - 1
-    return {"rate_per_decode": rate_per_decode, "modes": by_mode, "winner": winner, "margin": margin, "by": measure}
+        runner_up = max((m for m in MODES if m != winner), key=lambda m: by_mode[m]["attainment"])
+        margin = by_mode[winner]["attainment"] / max(by_mode[runner_up]["attainment"], 1e-9) - 1
+    return {"rate_per_decode": rate_per_decode, "modes": by_mode, "winner": winner, "runner_up": runner_up,
+            "margin": margin, "by": measure}
 
 
 def mode_map(profile: str, prefill: int, decode: int, requests: int, lengths=PROMPT_LENGTHS, tails=TAILS) -> dict:
@@ -80,8 +81,9 @@ def plot(result: dict, path: Path) -> None:
               aspect="auto")
     for i, row in enumerate(result["cells"]):
         for j, c in enumerate(row):
-            label = "tie" if c["margin"] < TIE else f"+{c['margin']:.0%} {'met' if c['by'] == 'attainment' else 'p90'}"
-            ax.text(j, i, f"{c['winner']}\n{label}",
+            text = (f"{c['winner']} = {c['runner_up']}" if c["margin"] < TIE else
+                    f"{c['winner']}\n+{c['margin']:.0%} {'met' if c['by'] == 'attainment' else 'p90'}")
+            ax.text(j, i, text,
                     ha="center", va="center", fontsize=8, color="white")
     ax.set_xticks(range(len(result["lengths"])), result["lengths"])
     ax.set_yticks(range(len(result["tails"])), [f"Pareto {t:g}" for t in result["tails"]])
