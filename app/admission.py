@@ -2,8 +2,8 @@
 
 It runs at most `slots` requests at once (as many as the decode engines run, app/config.py `ingress_slots`), each
 service class at most its share of them, so that batch work never fills the slots interactive requests need. The
-rest wait in one queue ordered by class priority, then
-arrival: an interactive request never waits behind batch work. When the queue is full, the least urgent request in it makes room for a more urgent newcomer (or the newcomer
+rest wait in one queue ordered by class priority, then arrival: an interactive request never waits behind batch
+work. When the queue is full, the least urgent request in it makes room for a more urgent newcomer (or the newcomer
 is turned away, if nothing waiting is less urgent); either way the one turned away is told to come back later.
 
 A class's share is a ceiling, not a promise: when a request misses its class's latency objectives, every less
@@ -75,8 +75,8 @@ class ClassAdmission:
 
     def judged(self, ticket: Ticket, met: bool) -> None:
         """Whether the request met its class's objectives, told once, as soon as known (no first token by the
-        TTFT objective is a miss then, waiting or running; the ingress tells this before the request leaves). A miss halves every less
-        urgent class's share, unless the shares were cut since it arrived (it waited and ran under the old ones,
+        TTFT objective is a miss then, waiting or running; the ingress tells this before the request leaves). A
+        miss halves every less urgent class's share, unless the shares were cut since it arrived (it waited and ran under the old ones,
         which that cut already answered). A met request lets every cut share grow by one slot per as many met
         requests as the share holds; a grown share lets waiting requests start at the next `leave`."""
         if ticket.judged:

@@ -42,10 +42,6 @@ class LegsSent:
     def replicas(self) -> set[str]:
         return set(self._legs)
 
-    def holds(self, replica: str) -> bool:
-        """Whether legs sent to `replica` may still count on top of its report."""
-        return bool(self._legs.get(replica))
-
     def counted_until(self, replica: str) -> float:
         """When the oldest leg that `load` last counted for `replica` ages out (inf if none): till then, and till
         another leg or report, `load` gives the same."""

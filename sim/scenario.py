@@ -12,15 +12,12 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
+from sim.profile import Strict
 from sim.workload import OUTPUT_MAX, OUTPUT_SCALE, OUTPUT_SHAPE, PROMPT_TOKENS, Arrival, arrivals
 
 SCENARIOS = Path(__file__).parent / "scenarios"
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Stream(Strict):
@@ -64,10 +61,14 @@ class Scenario(Strict):
                                                    for s in self.streams]})
 
     def with_requests(self, count: int) -> Scenario:
-        """The same scenario, run long enough for about `count` requests to arrive."""
+        """The same scenario stretched or shrunk in time (every stream's start and length with it) for about
+        `count` requests to arrive."""
         per_second = sum(s.rate_per_decode * self.decode * (s.window_s or self.window_s) / self.window_s
                          for s in self.streams)
-        return self.model_copy(update={"window_s": count / per_second})
+        stretch = count / per_second / self.window_s
+        streams = [s.model_copy(update={"start_s": s.start_s * stretch,
+                                        "window_s": s.window_s and s.window_s * stretch}) for s in self.streams]
+        return self.model_copy(update={"window_s": self.window_s * stretch, "streams": streams})
 
     def requests(self) -> list[Arrival]:
         merged = []

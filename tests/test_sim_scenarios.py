@@ -45,6 +45,13 @@ def test_a_stream_arrives_in_its_own_stretch_with_its_own_prompts():
     in_storm = [a for a in long if 20 <= a.at_s < 30]
     assert len(in_storm) > 0.8 * len(long)  # the background's own long prompts are the rest
     assert [a.at_s for a in requests] == sorted(a.at_s for a in requests)
+    # Sized by requests, the run is stretched with its storm: a third as many requests, a third as long.
+    shorter = storm.with_requests(len(requests) // 3)
+    assert shorter.window_s == pytest.approx(20, rel=0.15)
+    long = [a for a in shorter.requests() if a.prompt_tokens >= 1500]
+    in_storm = [a for a in long if shorter.streams[1].start_s <= a.at_s < shorter.streams[1].start_s
+                + shorter.streams[1].window_s]
+    assert shorter.streams[1].start_s == pytest.approx(20 * shorter.window_s / 60) and len(in_storm) > 0.8 * len(long)
 
 
 def test_a_seed_gives_the_same_run_and_another_seed_another():
