@@ -13,7 +13,10 @@ The cost of each option is two numbers, in seconds:
   computes a long prompt in chunks while others run (`decode_chunk_tokens`), for one chunk's; a hand-off holds them
   for one admission step; a seeded remote request's own second token waits for its hand-off (a seeded request of one
   token is answered by prefill alone: no stall).
-The option with the lowest `ttft_weight(class) * ttft + stall_weight * stall` wins.
+The option with the lowest `ttft_weight(class) * ttft + stall_weight * stall * held` wins: every user's seconds of
+waiting, where `held` is how many streams wait out the stall. A local prefill's falls on every stream decoding on
+its replica -- its compute is in each of their steps; a hand-off's is counted once: its admission is one more row in
+a step those streams take anyway, and its own second token is one stream.
 
 The `threshold` policy is the fixed rule instead (`ThresholdRule`): local for a short prompt or while every prefill
 engine is backed up, else the rule's remote mode. It learns nothing and reads only prefill's queue.
@@ -340,20 +343,21 @@ class ModePolicy:
                 ttft = model.hop_s["local"] + decode.queued_prefill_tokens * prefill.s_per_token + prefill(tokens)
                 chunk = min(tokens, self.config.decode_chunk_tokens or tokens)
                 stall = chunk * prefill.s_per_token if decode.decoding else 0.0
+                held = decode.decoding
             elif best.prefill is None:
                 continue
             else:
                 prefill = model.prefill("prefill", load_level(best.streams(mode)))
                 handoff = model.handoff_s(tokens)
                 ttft = model.hop_s[mode] + best.prefill.queued_prefill_tokens * prefill.s_per_token + prefill(tokens)
-                stall = priors.admit_step_s if decode.decoding else 0.0
+                stall, held = priors.admit_step_s if decode.decoding else 0.0, 1
                 if request.seeded and request.max_tokens <= 1:
                     stall = 0.0  # answered by prefill alone: no decode leg, no hand-off
                 elif request.seeded:
                     stall = max(stall, handoff)  # the request's own second token waits for its KV
                 else:
                     ttft += handoff + priors.admit_step_s
-            costs[mode] = OptionCost(ttft, stall, weight * ttft + priors.stall_weight * stall)
+            costs[mode] = OptionCost(ttft, stall, weight * ttft + priors.stall_weight * stall * max(held, 1))
         return costs
 
 
@@ -379,7 +383,7 @@ def _best_replicas(cluster: ClusterSnapshot) -> _BestReplicas:
     """One pass over each role's replicas: at 64 x 64 this scan is most of a decision's time."""
     prefill = min((replica for replica in cluster.prefill if replica.healthy),
                   key=lambda replica: replica.queued_prefill_tokens, default=None)
-    decode, decoding = None, 0
+    decode, decoding, least = None, 0, 0
     for replica in cluster.decode:
         if replica.healthy:
             decoding += replica.decoding

@@ -55,6 +55,7 @@ def test_costs_match_the_model_by_hand():
     assert costs["pull"].ttft_s == pytest.approx(0.007) and costs["pull"].stall_s == pytest.approx(0.010)
     assert costs["push"].ttft_s == pytest.approx(0.008) and costs["push"].stall_s == pytest.approx(0.010)
     assert costs["pull"].score == pytest.approx(0.017)
+    assert costs["local"].score == pytest.approx(0.004 + 4 * 0.002)  # the stall counts once for each stream it holds
     unseeded = policy().costs(request(2000, seeded=False), busy)["pull"]  # the first token waits for the KV
     one_token = policy().costs(RequestFeatures(prompt_tokens=2000, max_tokens=1), busy)  # prefill answers alone
     assert one_token["pull"].stall_s == 0 and one_token["local"].stall_s == pytest.approx(0.002)
@@ -173,6 +174,16 @@ def test_push_a_request_cannot_take_goes_pull():
     cheap_push = CostPriors(**{**PRIORS.__dict__, "hop_s": {"push": 0.0, "pull": 0.004, "local": 0.001}})
     busy = cluster(decode=[ReplicaLoad("d0", decoding=8)])
     assert policy(priors=cheap_push).decide(request(20_000, push_capable=False), busy).mode == "pull"
+
+
+def test_a_local_prefill_counts_its_stall_once_for_every_stream_it_holds():
+    """A 1,000-token prompt: local answers in 2 ms and holds each stream on its decode replica 1 ms; pull answers in
+    3 ms and its own second token waits 10 ms for the hand-off, a stall of one stream. Beside one stream local costs
+    3 ms against pull's 13; beside ten, 12; beside twelve, 14: pull."""
+    for streams, mode in ((1, "local"), (10, "local"), (12, "pull")):
+        decision = policy().decide(request(1000), cluster(decode=[ReplicaLoad("d0", decoding=streams)]))
+        assert decision.mode == mode, streams
+        assert decision.costs["local"].score == pytest.approx(0.002 + streams * 0.001)
 
 
 def test_a_decode_engine_that_prefills_in_chunks_holds_its_streams_one_chunk():
