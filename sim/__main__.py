@@ -67,7 +67,7 @@ def table(results: dict) -> Table:
     scenario = results["scenario"]
     out = Table(title=f"{scenario['name']} at {scenario['prefill']}P x {scenario['decode']}D, profile "
                       f"{scenario['profile']}, {scenario['window_s']:.0f} s of arrivals")
-    for column in ("policy", "class", "arrived", "shed", "met", "goodput /s", "attainment", "TTFT p50 ms",
+    for column in ("policy", "class", "arrived", "shed", "failed", "met", "goodput /s", "attainment", "TTFT p50 ms",
                    "TTFT p99 ms", "ITL p50 ms", "modes", "wall s"):
         out.add_column(column, justify="left" if column in ("policy", "class", "modes") else "right")
 
@@ -77,7 +77,8 @@ def table(results: dict) -> Table:
     for policy, result in results["policies"].items():
         modes = " ".join(f"{mode} {n}" for mode, n in sorted(result["modes"].items()))
         for i, (name, c) in enumerate(result["classes"].items()):
-            out.add_row(policy if i == 0 else "", name, str(c["arrived"]), str(c["shed"]), str(c["met"]),
+            out.add_row(policy if i == 0 else "", name, str(c["arrived"]), str(c["shed"]), str(c["failed"]),
+                        str(c["met"]),
                         f"{c['goodput_rps']:.1f}", f"{c['attainment']:.0%}", ms(c["ttft_p50_ms"]),
                         ms(c["ttft_p99_ms"]), ms(c["itl_p50_ms"]), modes if i == 0 else "",
                         f"{result['wall_s']:.1f}" if i == 0 else "")

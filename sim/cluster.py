@@ -9,6 +9,12 @@ mode's legs and KV hand-off as the app runs them (app/request_flow.py):
   again, as the app's push leg does, and goes on from the second token.
 A request with one output token is answered by prefill alone. Engines report their load every `report_period_s`,
 stamped with when it last changed, and the ingress adds the legs it sent since, as the app's routers do.
+
+A replica can die (`fail`): the router stops sending it legs, and a replacement takes over after the profile's
+`replica_start_s`. A request that lost a leg is met as the app's request flow meets it: started again in the same mode
+on the replicas left (up to MAX_ATTEMPTS in all) if nothing had reached its client; a pull request whose decode leg
+was lost before it streamed reads its KV again from prefill on another decode replica; otherwise it ends with an
+error (`failed`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from app.service_class import ServiceClass
 from app.load_view import LegsExpected, LegsSent, load_rank, replica_load
 from app.mode_policy import (ClusterSnapshot, Decision, ModePolicy, Observation, PolicyConfig, ReplicaLoad,
                              RequestFeatures)
+from app.request_flow import MAX_ATTEMPTS
 from app.timeline import RequestTimeline
 from sim.clock import Clock
 from sim.engine import EngineModel, SimRequest
@@ -39,6 +46,10 @@ class Served:
     ticket: Ticket | None = None  # its place at the ingress (app/admission.py)
     token_times: list[float] = field(default_factory=list)  # client-seen, on the virtual clock
     done: bool = False
+    failed: bool = False  # ended with an error: no replica to take it, or one died once it had streamed
+    attempts: int = 0  # its flow's starts (more than one: a leg's replica died before the client got anything)
+    # "prefill", "decode": the legs in flight; "held": prefill's KV kept for decode to READ -> (Replica, SimRequest)
+    legs: dict = field(default_factory=dict, repr=False)
 
     @property
     def shed(self) -> bool:
@@ -61,6 +72,7 @@ class Replica:
         self.last_load: dict = {}
         self.report: dict = {"at": 0.0}
         self.in_flight = 0  # legs the ingress has on it (Serve's own count, which breaks ties between equal ranks)
+        self.healthy = True  # False from its death until its replacement is up
         self.seen: dict | None = None  # the report plus legs sent since, as last computed
         self.seen_until = 0.0  # when that stops holding by itself (a leg it counts ages out)
         self.rank: tuple[int, int] = (0, 0)  # its load rank (app/load_view.py), as last computed
@@ -115,28 +127,66 @@ class SimApp:
         for role, replicas in self.replicas.items():
             expected = tuple(self.expected[role].pending(now))
             if expected:
-                loads[role] = tuple(replica_load(r.name, self._seen(role, r), True, expected) for r in replicas)
+                loads[role] = tuple(replica_load(r.name, self._seen(role, r), r.healthy, expected) for r in replicas)
                 continue
             for r in replicas:
                 seen = self._seen(role, r)
                 if r.load is None:
-                    r.load = replica_load(r.name, seen, True, ())
+                    r.load = replica_load(r.name, seen, r.healthy, ())
             loads[role] = tuple(r.load for r in replicas)
         return ClusterSnapshot(loads["prefill"], loads["decode"])
 
-    def _route(self, role: str) -> Replica:
+    def _route(self, role: str) -> Replica | None:
         """Serve's request router with the app's ranking (app/routing.py): lowest load rank, then fewest legs in
-        flight."""
-        replicas = self.replicas[role]
+        flight, among the replicas alive; None if none is."""
+        replicas = [r for r in self.replicas[role] if r.healthy]
         for replica in replicas:
             self._seen(role, replica)
-        return min(replicas, key=lambda r: (r.rank, r.in_flight))
+        return min(replicas, key=lambda r: (r.rank, r.in_flight), default=None)
 
     def _send(self, role: str, replica: Replica, tokens: int) -> None:
         self.sent[role].add(replica.name, tokens, self.clock.now)
         replica.seen = None
         self.expected[role].taken(tokens, self.clock.now)
         replica.in_flight += 1
+
+    # -- replicas dying and replaced ---------------------------------------------------------------------------
+
+    def fail(self, role: str, index: int) -> None:
+        """The replica dies now, with every leg it held; its replacement is up `replica_start_s` later."""
+        replica = self.replicas[role][index]
+        if not replica.healthy:
+            return
+        replica.healthy, replica.seen = False, None
+        replica.engine.fail()
+        self.clock.after(self.profile.replica_start_s, self._replaced, replica)
+
+    def _replaced(self, replica: Replica) -> None:
+        replica.engine.restart()
+        replica.healthy, replica.in_flight, replica.seen = True, 0, None
+
+    def _lost(self, served: Served, decision: Decision, leg: SimRequest) -> None:
+        """A leg of the request was lost with its replica (app/request_flow.py's retries)."""
+        role = next((role for role, (_, mine) in served.legs.items() if mine is leg), None)
+        if role is None:
+            return  # the request was already met: another of its legs was lost first
+        del served.legs[role]
+        if served.mode == "pull" and role == "decode" and "held" in served.legs and len(served.token_times) == 1:
+            # prefill still leases the KV: another decode replica READs it
+            self._pull_decode(served, decision)
+            return
+        self._drop_legs(served)
+        if served.token_times or served.attempts >= MAX_ATTEMPTS:
+            self._end(served, failed=True)
+        else:
+            self._decide(served, retry_mode=decision.mode)
+
+    def _drop_legs(self, served: Served) -> None:
+        """Cancel the request's legs: their blocks free, their replicas count them in flight no more."""
+        for role, (replica, leg) in served.legs.items():
+            replica.engine.abort(leg)
+            replica.in_flight -= role != "held"
+        served.legs.clear()
 
     # -- a request's life ---------------------------------------------------------------------------------------
 
@@ -172,38 +222,45 @@ class SimApp:
     def _start(self, served: Served) -> None:
         self.clock.after(self.profile.hops.ingress_s, self._decide, served)
 
-    def _decide(self, served: Served) -> None:
+    def _decide(self, served: Served, retry_mode: str | None = None) -> None:
+        """The policy's decision, or, for a request started again, the same mode on the replicas left."""
         arrival = served.arrival
+        served.attempts += 1
         decision = self.policy.decide(RequestFeatures(arrival.prompt_tokens, arrival.max_tokens,
-                                                      qos_class=arrival.qos_class), self.snapshot())
+                                                      requested_mode=retry_mode, qos_class=arrival.qos_class),
+                                      self.snapshot())
         served.mode, served.reason = decision.mode, decision.reason
-        if decision.mode is None:
-            self._end(served)
+        if decision.mode is None:  # no replica can take its legs: a 503
+            self._end(served, failed=True)
             return
         self.expected["decode" if decision.mode == "local" else "prefill"].expect(arrival.prompt_tokens,
                                                                                  self.clock.now)
-        served.timeline.events["first_dispatch"] = self.clock.now
+        served.timeline.events.setdefault("first_dispatch", self.clock.now)
         if decision.mode == "local":
             self._local(served, decision)
         else:
             self._remote(served, decision)
 
-    def _request(self, served: Served, max_tokens: int, **fields) -> SimRequest:
+    def _request(self, served: Served, decision: Decision, role: str, replica: Replica, max_tokens: int,
+                 **fields) -> SimRequest:
+        """A leg of the request on `replica`, in flight from now."""
         arrival = served.arrival
-        return SimRequest(f"{id(served)}", arrival.prompt_tokens, max_tokens,
-                          self.classes[arrival.qos_class].priority, self.clock.now, **fields)
+        leg = SimRequest(f"{id(served)}", arrival.prompt_tokens, max_tokens, self.classes[arrival.qos_class].priority,
+                         self.clock.now, on_lost=lambda r: self._lost(served, decision, r), **fields)
+        served.legs[role] = (replica, leg)
+        return leg
 
     def _local(self, served: Served, decision: Decision) -> None:
         replica = self.by_name[decision.decode_replica]
         self._send("decode", replica, served.arrival.prompt_tokens)
-        leg = self._request(served, served.arrival.max_tokens,
+        leg = self._request(served, decision, "decode", replica, served.arrival.max_tokens,
                             on_token=lambda r, t: self._token(served, t, "decode", r),
                             on_finished=lambda r, t: self._leg_done(served, replica, decision))
         self.clock.after(self.profile.hops.to_engine_s, replica.engine.add, leg)
 
     def _remote(self, served: Served, decision: Decision) -> None:
         tokens, mode = served.arrival.prompt_tokens, decision.mode
-        prefill = self._route("prefill")
+        prefill = self._route("prefill")  # the policy decided on a healthy one: there is one
         self._send("prefill", prefill, tokens)
         served.timeline.events["prefill_dispatched"] = self.clock.now
         decode_leg = None
@@ -215,13 +272,14 @@ class SimApp:
             self._engine_events(served, "prefill", leg, now)
             self._token(served, now, "prefill", leg)
             prefill.in_flight -= 1
+            served.legs["held"] = served.legs.pop("prefill")
             if one_token:
-                prefill.engine.release(leg)
+                self._release(served)
                 self._end(served, decision)
             elif mode == "pull":  # the ingress dispatches the decode leg once prefill answered
-                self.clock.after(self.profile.hops.to_client_s, self._pull_decode, served, decision, prefill, leg)
+                self.clock.after(self.profile.hops.to_client_s, self._pull_decode, served, decision)
             elif state["registered"]:
-                self._write(served, decision, prefill, leg, decode_leg)
+                self._write(served, decision, decode_leg)
 
         if mode == "push" and not one_token:
             decode = self.by_name[decision.decode_replica]
@@ -230,17 +288,24 @@ class SimApp:
             def registered(leg: SimRequest, now: float) -> None:
                 state["registered"] = True
                 if state["prefilled"] is not None:
-                    self._write(served, decision, prefill, state["prefilled"], leg)
+                    self._write(served, decision, leg)
 
-            decode_leg = self._request(served, served.arrival.max_tokens, on_reserved=registered,
+            decode_leg = self._request(served, decision, "decode", decode, served.arrival.max_tokens,
+                                       on_reserved=registered,
                                        on_token=lambda r, t: self._token(served, t, "decode", r),
                                        on_finished=lambda r, t: self._leg_done(served, decode, decision))
             self.clock.after(self.profile.hops.to_engine_s, decode.engine.reserve, decode_leg)
-        leg = self._request(served, 1, hold_kv=True, on_finished=prefilled)
+        leg = self._request(served, decision, "prefill", prefill, 1, hold_kv=True, on_finished=prefilled)
         self.clock.after(self.profile.hops.to_engine_s, prefill.engine.add, leg)
 
-    def _pull_decode(self, served: Served, decision: Decision, prefill: Replica, prefill_leg: SimRequest) -> None:
+    def _pull_decode(self, served: Served, decision: Decision) -> None:
+        if "held" not in served.legs:
+            return  # its prefill replica died meanwhile
         decode = self._route("decode")
+        if decode is None:
+            self._drop_legs(served)
+            self._end(served, failed=True)
+            return
         self._send("decode", decode, 0)
         served.timeline.events["decode_dispatched"] = self.clock.now
 
@@ -248,22 +313,23 @@ class SimApp:
             self.clock.after(self.profile.handoff.seconds(served.arrival.prompt_tokens), read_done, leg)
 
         def read_done(leg: SimRequest) -> None:
-            prefill.engine.release(prefill_leg)
-            decode.engine.kv_arrived(leg, served.arrival.prompt_tokens, generated=1)
+            if self._in_flight(served, leg) and "held" in served.legs:  # neither end died during the READ
+                self._release(served)
+                decode.engine.kv_arrived(leg, served.arrival.prompt_tokens, generated=1)
 
-        leg = self._request(served, served.arrival.max_tokens, on_reserved=reserved,
+        leg = self._request(served, decision, "decode", decode, served.arrival.max_tokens, on_reserved=reserved,
                             on_token=lambda r, t: self._token(served, t, "decode", r),
                             on_finished=lambda r, t: self._leg_done(served, decode, decision))
         self.clock.after(self.profile.hops.to_engine_s, decode.engine.reserve, leg)
 
-    def _write(self, served: Served, decision: Decision, prefill: Replica, prefill_leg: SimRequest,
-               decode_leg: SimRequest) -> None:
+    def _write(self, served: Served, decision: Decision, decode_leg: SimRequest) -> None:
         decode = self.by_name[decision.decode_replica]
 
         def written() -> None:
-            prefill.engine.release(prefill_leg)
-            # decode's prompt lacks the token prefill sampled: it computes the last prompt token again
-            decode.engine.kv_arrived(decode_leg, served.arrival.prompt_tokens - 1, generated=0)
+            if self._in_flight(served, decode_leg) and "held" in served.legs:  # neither end died during the WRITE
+                self._release(served)
+                # decode's prompt lacks the token prefill sampled: it computes the last prompt token again
+                decode.engine.kv_arrived(decode_leg, served.arrival.prompt_tokens - 1, generated=0)
 
         self.clock.after(self.profile.handoff.seconds(served.arrival.prompt_tokens), written)
 
@@ -285,19 +351,30 @@ class SimApp:
             if at is not None:
                 events.setdefault(f"{role}_{event}", at)
 
+    @staticmethod
+    def _in_flight(served: Served, leg: SimRequest) -> bool:
+        """The leg is its request's decode leg still (not lost, nor one of an attempt given up)."""
+        return served.legs.get("decode", (None, None))[1] is leg
+
+    def _release(self, served: Served) -> None:
+        """Prefill's KV has been taken: its blocks free."""
+        replica, leg = served.legs.pop("held")
+        replica.engine.release(leg)
+
     def _leg_done(self, served: Served, decode: Replica, decision: Decision) -> None:
         decode.in_flight -= 1
+        del served.legs["decode"]
         self._end(served, decision)
 
-    def _end(self, served: Served, decision: Decision | None = None) -> None:
-        served.done = True
-        if decision is not None and decision.mode is not None:
+    def _end(self, served: Served, decision: Decision | None = None, failed: bool = False) -> None:
+        served.done, served.failed = not failed, failed
+        if decision is not None and served.attempts == 1:  # a retried request's phases mix its attempts
             seen = Observation.from_phases(decision.mode, served.arrival.prompt_tokens, decision.decoding,
                                            served.timeline.phases())
             if seen is not None:
                 self.policy.model.observe(seen)
-        if served.token_times:
-            self.admission.judged(served.ticket, self.classes[served.arrival.qos_class].met(served.ttft_s,
-                                                                                            served.tpot_s))
+        if served.token_times or failed:
+            self.admission.judged(served.ticket, not failed and self.classes[served.arrival.qos_class].met(
+                served.ttft_s, served.tpot_s))
         for ticket in self.admission.leave(served.ticket):
             self._start(self.waiting.pop(ticket))

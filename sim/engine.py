@@ -3,7 +3,8 @@ running requests first (a token each while decoding, the next chunk while prefil
 priority order, within a token budget and a limit of running requests; KV blocks are allocated as tokens are
 scheduled, and when they run out the running request that comes last in priority order is preempted (its blocks
 freed, its prompt and output so far computed again later). A step's duration comes from the profile's cost of what
-it computed; its tokens come out when it ends."""
+it computed; its tokens come out when it ends. An engine can die (`fail`): every request it holds is lost at once,
+and it takes nothing until `restart`ed empty, as a replacement replica."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ class SimRequest:
     on_token: Callable[[SimRequest, float], None] | None = None  # each token, when its step ends
     on_finished: Callable[[SimRequest, float], None] | None = None
     on_reserved: Callable[[SimRequest, float], None] | None = None  # blocks for a prompt whose KV comes from elsewhere
+    on_lost: Callable[[SimRequest], None] | None = None  # its engine died with it (or was dead when it came)
     hold_kv: bool = False  # finished, keep the blocks until released (prefill's KV, until decode has it)
+    aborted: bool = False
     computed: int = 0  # tokens whose KV the engine holds
     generated: int = 0
     blocks: int = 0
@@ -87,14 +90,39 @@ class EngineModel:
         self.running: list[SimRequest] = []
         self.free_blocks = spec.num_blocks
         self.reserving: list[SimRequest] = []  # waiting for blocks to take KV from elsewhere into
+        self.awaiting: set[SimRequest] = set()  # blocks reserved, the KV not here yet
         self.held: set[SimRequest] = set()  # finished, KV kept for a transfer
         self.busy = False
         self.steps = 0
         self.legs_taken = 0
+        self.alive = True
+        self.life = 0  # how many times it was restarted: a step begun in an earlier life never ends
+
+    def fail(self) -> None:
+        """The engine dies: every request it held is lost."""
+        lost = [*self.reserving, *self.awaiting, *self.waiting, *self.running, *self.held]
+        self.alive, self.busy = False, False
+        self.waiting, self.running, self.reserving, self.awaiting, self.held = [], [], [], set(), set()
+        for request in lost:
+            self._lose(request)
+
+    def restart(self) -> None:
+        """Up again, empty, as a new replica."""
+        self.alive, self.life, self.free_blocks = True, self.life + 1, self.spec.num_blocks
+
+    @staticmethod
+    def _lose(request: SimRequest) -> None:
+        request.blocks = 0
+        if request.on_lost:
+            request.on_lost(request)
 
     # -- what the rest of the simulation sees ----------------------------------------------------------------
 
     def add(self, request: SimRequest) -> None:
+        if request.aborted:
+            return
+        if not self.alive:
+            return self._lose(request)
         self.legs_taken += 1
         request.queued_s = self.clock.now
         self.waiting.append(request)
@@ -103,6 +131,10 @@ class EngineModel:
     def reserve(self, request: SimRequest) -> None:
         """Blocks for the prompt of a request whose KV comes from another engine, as soon as they are free (then
         `on_reserved`); the request stays out of the scheduler until `kv_arrived`."""
+        if request.aborted:
+            return
+        if not self.alive:
+            return self._lose(request)
         self.legs_taken += 1
         request.queued_s = self.clock.now
         self.reserving.append(request)
@@ -110,6 +142,9 @@ class EngineModel:
 
     def kv_arrived(self, request: SimRequest, tokens: int, generated: int) -> None:
         """The prompt's KV is here (`tokens` of it) and `generated` tokens were sampled elsewhere: schedule it."""
+        if not self.alive:
+            return  # lost with the engine already
+        self.awaiting.discard(request)
         request.computed, request.generated = tokens, generated
         self.waiting.append(request)
         self._wake()
@@ -121,7 +156,9 @@ class EngineModel:
             self._free(request)
 
     def abort(self, request: SimRequest) -> None:
-        for queue in (self.waiting, self.running, self.reserving):
+        """The request is cancelled: its blocks free, no more tokens; one still on its way is dropped when it comes."""
+        request.aborted = True
+        for queue in (self.waiting, self.running, self.reserving, self.awaiting):
             if request in queue:
                 queue.remove(request)
                 self._free(request)
@@ -164,7 +201,7 @@ class EngineModel:
             if request.scheduled_s is None:
                 request.scheduled_s = self.clock.now
         self.steps += 1
-        self.clock.after(duration, self._step_done, plan)
+        self.clock.after(duration, self._step_done, plan, self.life)
 
     def _schedule(self) -> list[tuple[SimRequest, int]]:
         spec, budget, plan = self.spec, self.spec.max_num_batched_tokens, []
@@ -236,10 +273,13 @@ class EngineModel:
             if not self._allocate(request, request.prompt_tokens):
                 return
             self.reserving.pop(0)
+            self.awaiting.add(request)
             if request.on_reserved:
                 request.on_reserved(request, self.clock.now)
 
-    def _step_done(self, plan: list[tuple[SimRequest, int]]) -> None:
+    def _step_done(self, plan: list[tuple[SimRequest, int]], life: int) -> None:
+        if not self.alive or life != self.life:
+            return  # the engine died during the step
         now = self.clock.now
         for request, n in plan:
             if request not in self.running:

@@ -42,6 +42,7 @@ class Profile(Strict):
     hops: Hops
     handoff: Handoff
     report_period_s: float = Field(default=0.2, gt=0, description="how often engines report their load")
+    replica_start_s: float = Field(default=60.0, gt=0, description="a dead replica's replacement starting up")
     sources: dict[str, str] = Field(default_factory=dict, description="where each number comes from")
 
 

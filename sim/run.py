@@ -29,6 +29,9 @@ def simulate(scenario: Scenario, policy: str, classes: Mapping[str, ServiceClass
     requests = scenario.requests()
     for arrival in requests:
         app.submit(arrival)
+    for failure in scenario.failures:
+        for replica in failure.replicas(getattr(scenario, failure.role)):
+            clock.at(failure.at_s, app.fail, failure.role, replica)
     end = (requests[-1].at_s if requests else 0.0) + scenario.drain_s
     for step in range(1, PROGRESS_STEPS + 1):
         clock.run(until=end * step / PROGRESS_STEPS)
@@ -38,7 +41,7 @@ def simulate(scenario: Scenario, policy: str, classes: Mapping[str, ServiceClass
 
 
 def summary(served: list[Served], window_s: float, classes: Mapping[str, ServiceClass] | None = None) -> dict:
-    """Per class: arrived, shed, unfinished, met, goodput (met a second of the window), attainment (met of
+    """Per class: arrived, shed, failed, unfinished, met, goodput (met a second of the window), attainment (met of
     arrived), TTFT p50/p99 and ITL p50 in ms; and the modes taken."""
     classes = classes or default_classes()
     out: dict = {"classes": {}, "modes": dict(Counter(s.mode for s in served if s.mode))}
@@ -52,8 +55,8 @@ def summary(served: list[Served], window_s: float, classes: Mapping[str, Service
         gaps = [np.diff(s.token_times) for s in answered if len(s.token_times) > 1]
         itls = np.concatenate(gaps) * 1e3 if gaps else None
         out["classes"][name] = {
-            "arrived": len(mine), "shed": sum(s.shed for s in mine),
-            "unfinished": sum(not s.done and not s.shed for s in mine), "met": met,
+            "arrived": len(mine), "shed": sum(s.shed for s in mine), "failed": sum(s.failed for s in mine),
+            "unfinished": sum(not s.done and not s.shed and not s.failed for s in mine), "met": met,
             "goodput_rps": met / window_s, "attainment": met / len(mine),
             "ttft_p50_ms": float(np.percentile(ttfts, 50)) if ttfts else None,
             "ttft_p99_ms": float(np.percentile(ttfts, 99)) if ttfts else None,

@@ -40,6 +40,18 @@ class Stream(Strict):
         return self
 
 
+class Failure(Strict):
+    """Replicas of one role die at once; each is replaced `replica_start_s` (the profile's) later."""
+
+    at_s: float = Field(ge=0, description="when, from the run's start")
+    role: Literal["prefill", "decode"]
+    share: float = Field(gt=0, le=1, description="the share of the role's replicas that die (at least one)")
+
+    def replicas(self, count: int) -> range:
+        """Which of the role's `count` replicas die: the first ones."""
+        return range(max(1, round(self.share * count)))
+
+
 class Scenario(Strict):
     name: str
     description: str
@@ -49,6 +61,7 @@ class Scenario(Strict):
     window_s: PositiveFloat = Field(description="how long requests arrive")
     drain_s: float = Field(default=30.0, ge=0, description="after the last arrival, for the last ones to finish")
     streams: list[Stream] = Field(min_length=1)
+    failures: list[Failure] = Field(default_factory=list)
     max_model_len: PositiveInt = 2048
     seed: int = 0
 
@@ -61,14 +74,19 @@ class Scenario(Strict):
                                                    for s in self.streams]})
 
     def with_requests(self, count: int) -> Scenario:
-        """The same scenario stretched or shrunk in time (every stream's start and length with it) for about
-        `count` requests to arrive."""
+        """The same scenario stretched or shrunk in time for about `count` requests to arrive."""
         per_second = sum(s.rate_per_decode * self.decode * (s.window_s or self.window_s) / self.window_s
                          for s in self.streams)
-        stretch = count / per_second / self.window_s
+        return self.with_window(count / per_second)
+
+    def with_window(self, window_s: float) -> Scenario:
+        """The same scenario stretched or shrunk in time (every stream's start and length, and every failure's
+        moment, with it) to arrive for `window_s`."""
+        stretch = window_s / self.window_s
         streams = [s.model_copy(update={"start_s": s.start_s * stretch,
                                         "window_s": s.window_s and s.window_s * stretch}) for s in self.streams]
-        return self.model_copy(update={"window_s": self.window_s * stretch, "streams": streams})
+        failures = [f.model_copy(update={"at_s": f.at_s * stretch}) for f in self.failures]
+        return self.model_copy(update={"window_s": window_s, "streams": streams, "failures": failures})
 
     def requests(self) -> list[Arrival]:
         merged = []

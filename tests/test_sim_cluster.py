@@ -154,3 +154,56 @@ def test_the_simulator_runs_the_apps_own_policy_load_view_and_admission():
 def test_a_profile_reads_from_yaml_and_names_its_sources():
     profile = load_profile("cpu-tiny")
     assert profile.decode.long_prefill_token_threshold == 256 and profile.sources
+
+
+def failing(policy: str, requests: list[Arrival], fail: tuple[float, str, int], prefill: int = 1, decode: int = 1
+            ) -> SimApp:
+    """`simulate`, with the replica `fail` names dying at its moment."""
+    simulated = SimApp(PROFILE, prefill, decode, PolicyConfig(policy=policy), default_classes(), Clock())
+    at, role, index = fail
+    simulated.clock.at(at, simulated.fail, role, index)
+    simulated.run(requests, 120.0)
+    return simulated
+
+
+def nothing_left_behind(simulated: SimApp) -> None:
+    for replica in simulated.by_name.values():
+        engine = replica.engine
+        assert engine.free_blocks == engine.spec.num_blocks and not (engine.held or engine.running or engine.waiting)
+        assert replica.in_flight == 0 and replica.healthy
+    assert sum(simulated.admission.held.values()) == 0
+
+
+def test_a_pull_request_whose_decode_dies_while_reading_reads_again_on_another():
+    # as in the pull case above until decode d0, reading from 118 to 129 ms, dies at 120: the decode leg goes to d1
+    # at once (at its engine at 122), which reads until 133 and steps (12 ms) to the second token, 3 ms to the client
+    simulated = failing("pull", [Arrival(0.0, 1000, 3, "interactive")], (0.120, "decode", 0), decode=2)
+    [served] = simulated.served
+    assert served.done and served.attempts == 1
+    assert served.token_times == pytest.approx([0.116, 0.148, 0.160])
+    assert simulated.by_name["d1"].engine.legs_taken == 1
+    nothing_left_behind(simulated)
+
+
+def test_a_request_whose_prefill_dies_before_its_first_token_starts_again_on_the_replicas_left():
+    # p0 computes the prompt from 3 ms; it dies at 50: the request is decided again then, at p1 at 52, its token at
+    # 162 (165 at the client); then as the pull case: decode reads from 167 to 178, the next tokens at 193 and 205
+    simulated = failing("pull", [Arrival(0.0, 1000, 3, "interactive")], (0.050, "prefill", 0), prefill=2)
+    [served] = simulated.served
+    assert served.done and served.attempts == 2
+    assert served.token_times == pytest.approx([0.165, 0.193, 0.205])
+    nothing_left_behind(simulated)
+
+
+@pytest.mark.parametrize("policy", ["push", "pull", "local"])
+def test_a_stream_cut_off_ends_with_an_error_and_the_replica_is_replaced(policy):
+    # each mode's first token reaches the client at 116 ms; decode dies at 118, during push's WRITE, pull's READ or
+    # local's second step. While no decode replica is left, a request fails at once; once the replacement is up
+    # (60 s later) requests are served again.
+    simulated = failing(policy, [Arrival(0.0, 1000, 3, "interactive"), Arrival(1.0, 100, 3, "interactive"),
+                                 Arrival(61.0, 100, 3, "interactive")], (0.118, "decode", 0))
+    cut, refused, later = simulated.served
+    assert cut.failed and cut.token_times == pytest.approx([0.116]) and not cut.done
+    assert refused.failed and not refused.token_times and refused.attempts == 1
+    assert later.done and len(later.token_times) == 3
+    nothing_left_behind(simulated)

@@ -104,3 +104,40 @@ def test_an_aborted_request_frees_its_blocks_and_yields_no_more_tokens():
     e.abort(request)
     clock.run()
     assert len(request.token_times) == produced and e.free_blocks == e.spec.num_blocks and not e.busy
+    e.reserve(awaiting := SimRequest("awaiting", 500, 10))  # blocks reserved for KV that never comes
+    assert e.free_blocks < e.spec.num_blocks
+    e.abort(awaiting)
+    assert e.free_blocks == e.spec.num_blocks
+    on_its_way = SimRequest("on its way", 100, 2)  # cancelled before it reached the engine
+    e.abort(on_its_way)
+    e.add(on_its_way)
+    clock.run()
+    assert not on_its_way.token_times and not e.waiting and e.legs_taken == 2
+
+
+def test_a_dead_engine_loses_every_request_it_held_and_takes_none_until_restarted():
+    clock, e = engine(num_blocks=1000)
+    lost = []
+    running, waiting, held = (SimRequest(name, 500, n, on_lost=lost.append, hold_kv=name == "held")
+                              for name, n in (("running", 100), ("waiting", 100), ("held", 1)))
+    e.add(held)
+    clock.run(until=0.1)  # computed (60 ms), its KV kept
+    e.add(running)
+    clock.run(until=0.2)  # prefilled (60 ms), decoding
+    e.reserve(SimRequest("reserving", 20_000, 5, on_lost=lost.append))  # more blocks than are free
+    e.reserve(awaiting := SimRequest("awaiting", 100, 5, on_lost=lost.append))  # reserved, its KV not here yet
+    e.add(waiting)
+    produced = len(running.token_times)
+    e.fail()
+    clock.run()
+    assert sorted(r.request_id for r in lost) == ["awaiting", "held", "reserving", "running", "waiting"]
+    assert awaiting.blocks == 0
+    assert len(running.token_times) == produced  # its step in flight never ends
+    late = SimRequest("late", 100, 2, on_lost=lost.append)
+    e.add(late)
+    assert lost[-1] is late and not e.busy
+    e.restart()
+    again = SimRequest("again", 100, 2)
+    e.add(again)
+    clock.run()
+    assert len(again.token_times) == 2 and e.free_blocks == e.spec.num_blocks

@@ -8,6 +8,7 @@ import json
 import pytest
 
 import sim.__main__ as cli
+import sim.sweep
 from sim.profile import PROFILES, load_profile
 from sim.run import simulate, summary
 from sim.scenario import SCENARIOS, load_scenario
@@ -23,7 +24,9 @@ def test_every_scenario_runs_under_every_policy_and_accounts_for_every_request(n
     for policy in ("push", "pull", "local", "threshold", "auto"):
         served = simulate(scenario, policy)
         assert [s.arrival for s in served] == requests
-        assert all(s.done != s.shed for s in served), policy  # each one finished in the drain, or was turned away
+        # each one finished in the drain, was turned away, or ended with an error (a replica died under it)
+        assert all(s.done + s.shed + s.failed == 1 for s in served), policy
+        assert any(s.failed for s in served) == bool(scenario.failures), policy
         result = summary(served, scenario.window_s)
         assert sum(c["arrived"] for c in result["classes"].values()) == len(requests)
         assert all(c["unfinished"] == 0 and c["met"] <= c["arrived"] - c["shed"] for c in result["classes"].values())
@@ -80,9 +83,38 @@ def test_the_command_line_runs_each_policy_and_writes_what_it_printed(tmp_path, 
 @pytest.mark.parametrize("name", sorted(path.stem for path in PROFILES.glob("*.yaml")))
 def test_every_profile_says_where_its_numbers_come_from_and_runs_a_scenario(name):
     profile = load_profile(name)
-    assert {"step", "hops", "handoff"} <= set(profile.sources), profile.sources
+    assert {"step", "hops", "handoff", "replica_start_s"} <= set(profile.sources), profile.sources
     if not name.startswith("cpu-"):  # not measured here: every assumption says so
         assert "ASSUMED" in profile.sources["step"] and "ASSUMED" in profile.sources["hops"]
     scenario = load_scenario("steady").model_copy(update={"profile": name}).at_shape(2, 2).with_requests(40)
     served = simulate(scenario, "auto")
     assert all(s.done for s in served)
+
+
+def test_a_replica_failure_moves_with_the_run_and_hits_a_share_of_the_replicas():
+    failure = load_scenario("replica-failure")
+    assert [f.replicas(64) for f in failure.failures] == [range(8), range(8)]
+    assert [f.replicas(1) for f in failure.failures] == [range(1), range(1)]  # at least one
+    shorter = failure.with_window(6)
+    assert [f.at_s for f in shorter.failures] == pytest.approx([2.0, 2.0])
+
+
+def test_the_sweep_compares_auto_with_the_best_fixed_mode_at_each_load(tmp_path):
+    results = sim.sweep.main(["--scenarios", "steady", "replica-failure", "--shape", "2x2", "--profile", "cpu-tiny",
+                              "--loads", "0.5", "2", "--window-s", "10", "--out", str(tmp_path)])
+    assert [r["scenario"] for r in results] == ["steady", "replica-failure"]
+    for result in results:
+        assert list(result["loads"]) == ["0.5", "2.0"]
+        light, heavy = result["loads"].values()
+        assert heavy["offered_rps"] == pytest.approx(4 * light["offered_rps"], rel=0.3)
+        for row in result["loads"].values():
+            fixed = {m: row["policies"][m]["goodput_rps"] for m in ("push", "pull", "local")}
+            assert fixed[row["best_fixed"]] == max(fixed.values())
+            assert row["auto_vs_best"] == pytest.approx(row["policies"]["auto"]["goodput_rps"] / max(fixed.values()))
+    # four times the load is past what 2P x 2D of cpu-tiny serves: fewer requests meet their SLOs
+    assert results[0]["loads"]["2.0"]["policies"]["local"]["attainment"] < 0.5
+    assert results[0]["loads"]["0.5"]["policies"]["pull"]["attainment"] > 0.9
+    table = (tmp_path / "table.md").read_text()
+    assert table.count("\n| steady |") == 2 and "auto / best" in table
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "results.json").read_text()) == json.loads(json.dumps(results))
