@@ -316,7 +316,7 @@ class OpenAIIngress:
 
     def _learn(self, admitted: Admitted) -> None:
         """A served request's timeline teaches the policy its costs (app/mode_policy.py, CostModel.observe)."""
-        seen = Observation.from_phases(admitted.mode, admitted.output.num_prompt_tokens, admitted.decision.decoding,
+        seen = Observation.from_phases(admitted.mode, admitted.output.num_prompt_tokens, admitted.decision,
                                        admitted.output.timeline.phases())
         if seen is not None:
             self.policy.model.observe(seen)

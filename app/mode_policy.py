@@ -101,6 +101,7 @@ class Decision:
     decode_replica: str | None = None  # push and local bind decode now; pull binds it after prefill
     costs: Mapping[Mode, OptionCost] = field(default_factory=dict)
     decoding: int = 0  # the streams the chosen mode's prefill runs beside: its observation's load (Observation)
+    queued_tokens: int = 0  # prompt tokens queued ahead on the engine that prefills: what its queue wait drains
 
 
 @dataclass(frozen=True)
@@ -158,19 +159,22 @@ class Observation:
     decoding: int  # streams decoding on the engine that prefilled (local) or in the cluster (push, pull)
     prefill_s: float  # the engine's compute of the prompt
     ttft_s: float | None = None  # ingress-stamped; with the queue and prefill removed, it teaches the mode's hop
-    queue_s: float = 0.0
+    queue_s: float = 0.0  # in the prefilling engine's queue
     handoff_s: float | None = None  # push and pull: the KV's crossing
+    queued_tokens: int = 0  # prompt tokens queued ahead of it there when it was decided (Decision.queued_tokens)
 
     @staticmethod
-    def from_phases(mode: Mode, prompt_tokens: int, decoding: int, phases: Mapping[str, float]) -> Observation | None:
-        """From a served request's phases in seconds (app/timeline.py's names); None where its prefill went unseen."""
+    def from_phases(mode: Mode, prompt_tokens: int, decision: Decision, phases: Mapping[str, float]
+                    ) -> Observation | None:
+        """From a served request's decision and phases in seconds (app/timeline.py's names); None where its prefill
+        went unseen."""
         local = mode == "local"
         prefill_s = phases.get("decode_first_step" if local else "prefill_compute")
         if prefill_s is None:
             return None
-        return Observation(mode, prompt_tokens, decoding, prefill_s, phases.get("ttft"),
+        return Observation(mode, prompt_tokens, decision.decoding, prefill_s, phases.get("ttft"),
                            phases.get("kv_wait" if local else "prefill_queue", 0.0),
-                           phases.get("kv_wait") if mode == "pull" else None)
+                           phases.get("kv_wait") if mode == "pull" else None, decision.queued_tokens)
 
 
 @dataclass(frozen=True)
@@ -209,12 +213,18 @@ class PrefillFit:
         return PrefillCost(0.0, self.y / self.x)
 
 
+# A queue wait teaches the drain rate only behind at least this many tokens: behind fewer, the wait is mostly the
+# step in progress, whatever the tokens.
+MIN_QUEUED_TOKENS = 512
+
+
 class CostModel:
     """The learned coefficients: each an exponentially weighted average of what requests reported."""
 
     def __init__(self, priors: CostPriors):
         self.priors = priors
         self.fits: dict[tuple[Role, int], PrefillFit] = {}  # (engine role, load level) -> prefill time vs tokens
+        self.drains: dict[tuple[Role, int], float] = {}  # (engine role, load level) -> seconds per queued token
         self.samples: dict[tuple[Mode, int], int] = {}  # (mode, load level) -> observations
         self.hop_s: dict[Mode, float] = dict(priors.hop_s)
         self.handoff_s_per_byte = priors.handoff_s_per_byte
@@ -231,6 +241,15 @@ class CostModel:
         return PrefillCost(0.0, self.priors.local_prefill_s_per_token if role == "decode"
                            else self.priors.prefill_s_per_token)
 
+    def queue_s_per_token(self, role: Role, level: int) -> float:
+        """How fast tokens queued on `role`'s engine at `level` drain: learned from what queued requests waited,
+        else the prefill rate. The two differ where an engine batches prompts: a prompt's own prefill takes about
+        a step whatever its length, while a queue drains a step's token budget a step."""
+        for at in range(level, -1, -1):
+            if (role, at) in self.drains:
+                return self.drains[role, at]
+        return self.prefill(role, level).s_per_token
+
     def handoff_s(self, prompt_tokens: int) -> float:
         return self.priors.handoff_fixed_s + prompt_tokens * self.priors.kv_bytes_per_token * self.handoff_s_per_byte
 
@@ -242,6 +261,9 @@ class CostModel:
         if seen.prompt_tokens > 0 and seen.prefill_s > 0:
             self.fits.setdefault((role, level), PrefillFit(self.priors.learning_rate)).add(
                 seen.prompt_tokens, seen.prefill_s)
+        if seen.queued_tokens >= MIN_QUEUED_TOKENS:
+            drain = seen.queue_s / seen.queued_tokens
+            self.drains[role, level] = self._blend(self.drains.get((role, level), drain), drain)
         if seen.handoff_s is not None and seen.prompt_tokens > 0:
             kv_bytes = seen.prompt_tokens * self.priors.kv_bytes_per_token
             per_byte = max(seen.handoff_s - self.priors.handoff_fixed_s, 0.0) / kv_bytes
@@ -311,16 +333,16 @@ class ModePolicy:
             if unseen:
                 self._since_explore = 0
                 mode = min(unseen, key=lambda m: (samples[m], costs[m].score))
-                return Decision(mode, EXPLORE, best.bound(mode), costs, best.streams(mode))
-        return Decision(cheapest, LOWEST_COST, best.bound(cheapest), costs, best.streams(cheapest))
+                return best.decision(mode, EXPLORE, costs)
+        return best.decision(cheapest, LOWEST_COST, costs)
 
     def _push_holds_little(self, request: RequestFeatures, best: _BestReplicas) -> bool:
         """Push binds a decode replica's slot and blocks at arrival: only where they are free (KV under
         `push_kv_limit`) and prefill would start the prompt soon (its queue under `push_queue_limit_s`)."""
         priors = self.config.priors
-        prefill = self.model.prefill("prefill", load_level(best.streams("push")))
+        drain = self.model.queue_s_per_token("prefill", load_level(best.streams("push")))
         return (request.push_capable and best.decode.kv_cache_usage <= priors.push_kv_limit
-                and best.prefill.queued_prefill_tokens * prefill.s_per_token <= priors.push_queue_limit_s)
+                and best.queued("push") * drain <= priors.push_queue_limit_s)
 
     def _by_rule(self, request: RequestFeatures, best: _BestReplicas) -> Mode:
         rule = self.config.rule
@@ -330,7 +352,7 @@ class ModePolicy:
         return "pull" if rule.remote_mode == "push" and not request.push_capable else rule.remote_mode
 
     def _decided(self, mode: Mode, reason: str, request: RequestFeatures, best: _BestReplicas) -> Decision:
-        return Decision(mode, reason, best.bound(mode), self._costs(request, best), best.streams(mode))
+        return best.decision(mode, reason, self._costs(request, best))
 
     def _costs(self, request: RequestFeatures, best: _BestReplicas) -> dict[Mode, OptionCost]:
         priors, model, decode = self.config.priors, self.model, best.decode
@@ -339,17 +361,21 @@ class ModePolicy:
         costs: dict[Mode, OptionCost] = {}
         for mode in self.config.modes:
             if mode == "local":
-                prefill = model.prefill("decode", load_level(best.streams(mode)))
-                ttft = model.hop_s["local"] + decode.queued_prefill_tokens * prefill.s_per_token + prefill(tokens)
+                level = load_level(best.streams(mode))
+                prefill = model.prefill("decode", level)
+                ttft = (model.hop_s["local"] + best.queued(mode) * model.queue_s_per_token("decode", level)
+                        + prefill(tokens))
                 chunk = min(tokens, self.config.decode_chunk_tokens or tokens)
                 stall = chunk * prefill.s_per_token if decode.decoding else 0.0
                 held = decode.decoding
             elif best.prefill is None:
                 continue
             else:
-                prefill = model.prefill("prefill", load_level(best.streams(mode)))
+                level = load_level(best.streams(mode))
+                prefill = model.prefill("prefill", level)
                 handoff = model.handoff_s(tokens)
-                ttft = model.hop_s[mode] + best.prefill.queued_prefill_tokens * prefill.s_per_token + prefill(tokens)
+                ttft = (model.hop_s[mode] + best.queued(mode) * model.queue_s_per_token("prefill", level)
+                        + prefill(tokens))
                 stall, held = priors.admit_step_s if decode.decoding else 0.0, 1
                 if request.seeded and request.max_tokens <= 1:
                     stall = 0.0  # answered by prefill alone: no decode leg, no hand-off
@@ -377,6 +403,13 @@ class _BestReplicas:
         """The decode replica a `mode` request is bound to now: push and local bind it; pull binds it after
         prefill."""
         return None if mode == "pull" else self.decode.replica
+
+    def queued(self, mode: Mode) -> int:
+        """Prompt tokens queued ahead on the engine that would prefill a `mode` request."""
+        return self.decode.queued_prefill_tokens if mode == "local" else self.prefill.queued_prefill_tokens
+
+    def decision(self, mode: Mode, reason: str, costs: Mapping[Mode, OptionCost]) -> Decision:
+        return Decision(mode, reason, self.bound(mode), costs, self.streams(mode), self.queued(mode))
 
 
 def _best_replicas(cluster: ClusterSnapshot) -> _BestReplicas:

@@ -369,7 +369,7 @@ class SimApp:
     def _end(self, served: Served, decision: Decision | None = None, failed: bool = False) -> None:
         served.done, served.failed = not failed, failed
         if decision is not None and served.attempts == 1:  # a retried request's phases mix its attempts
-            seen = Observation.from_phases(decision.mode, served.arrival.prompt_tokens, decision.decoding,
+            seen = Observation.from_phases(decision.mode, served.arrival.prompt_tokens, decision,
                                            served.timeline.phases())
             if seen is not None:
                 self.policy.model.observe(seen)

@@ -57,7 +57,7 @@ def table(results: list[dict]) -> str:
              "|---|---|---|" + "---|" * len(policies) + "---|---|"]
     for result in results:
         for load, row in result["loads"].items():
-            cells = " | ".join(f"{row['policies'][p]['goodput_rps']:.3g} ({row['policies'][p]['attainment']:.0%})"
+            cells = " | ".join(f"{row['policies'][p]['goodput_rps']:.4g} ({row['policies'][p]['attainment']:.0%})"
                                for p in policies)
             ratio = "-" if row["auto_vs_best"] is None else f"{row['auto_vs_best']:.2f}x"
             lines.append(f"| {result['scenario']} | {load} | {row['offered_rps']:.0f} | {cells} | "

@@ -240,6 +240,25 @@ def test_a_steps_fixed_cost_is_told_from_the_prompts_and_stalls_no_stream():
     assert (alike.step_s, alike.s_per_token) == (0.0, pytest.approx(1e-4))
 
 
+def test_a_queue_drains_at_the_rate_its_waits_teach_not_at_one_prompts_prefill_rate():
+    """An engine that batches prompts computes each in about one step whatever its length (140 ms here), while its
+    queue drains a step's budget a step (20 us a token): the queue's wait is learned from what queued requests
+    waited behind how many tokens, not from the prompts' own prefill times."""
+    learner = policy()
+    for n in range(40):
+        learner.model.observe(Observation("pull", prompt_tokens=(128, 1024, 1900)[n % 3], decoding=0, prefill_s=0.14,
+                                          queue_s=50_000 * 2e-5, queued_tokens=50_000))
+    learner.model.observe(Observation("pull", prompt_tokens=500, decoding=0, prefill_s=0.14, queue_s=1.0,
+                                      queued_tokens=100))  # behind a few tokens, the wait is the step in progress
+    assert learner.model.queue_s_per_token("prefill", 0) == pytest.approx(2e-5)
+    assert learner.model.queue_s_per_token("decode", 0) == PRIORS.local_prefill_s_per_token  # none seen: the rate
+    backed_up = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=100_000)])
+    decision = learner.decide(request(1000), backed_up)
+    prefill = learner.model.prefill("prefill", 0)
+    assert decision.costs["pull"].ttft_s == pytest.approx(0.002 + 100_000 * 2e-5 + prefill(1000))
+    assert (decision.mode, decision.queued_tokens) == ("local", 0)  # 2 s behind prefill's queue: decode does it
+
+
 def test_hops_and_hand_off_are_learned_from_timelines():
     learner = policy()
     for _ in range(60):
