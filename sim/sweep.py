@@ -2,7 +2,7 @@
 rate times k), under each policy on the same arrivals -- is `auto` at least as good as the best fixed mode?
 
     python -m sim.sweep [--scenarios steady bursty ...] [--shape 64x64] [--profile gpu-qwen3-32b-h100]
-                        [--loads 8 16 24 32] [--window-s 5] [--out bench/results/sim/sweep-gpu-64x64]
+                        [--loads 8 16 24] [--window-s 3] [--out bench/results/sim/sweep-gpu-64x64]
 
 Writes results.json, table.md (per scenario and load: each policy's goodput, the best fixed mode and auto's ratio
 to it) and sweep.png (goodput and interactive attainment against load, one column per scenario) into --out.
@@ -42,11 +42,15 @@ def sweep(name: str, shape: tuple[int, int], profile: str, loads: list[float], w
                              "interactive_ttft_p99_ms": interactive.get("ttft_p99_ms"),
                              "modes": result["modes"], "wall_s": time.perf_counter() - started}
         best = max((m for m in MODES if m in cells), key=lambda m: cells[m]["goodput_rps"], default=None)
-        out["loads"][str(load)] = {
+        out["loads"][f"{load:g}"] = {
             "offered_rps": len(scenario.requests()) / scenario.window_s, "policies": cells, "best_fixed": best,
             "auto_vs_best": (cells["auto"]["goodput_rps"] / cells[best]["goodput_rps"]
                              if best and "auto" in cells and cells[best]["goodput_rps"] else None)}
     return out
+
+
+def rate(per_second: float) -> str:
+    return f"{per_second:.0f}" if per_second >= 10 else f"{per_second:.3g}"
 
 
 def table(results: list[dict]) -> str:
@@ -57,10 +61,10 @@ def table(results: list[dict]) -> str:
              "|---|---|---|" + "---|" * len(policies) + "---|---|"]
     for result in results:
         for load, row in result["loads"].items():
-            cells = " | ".join(f"{row['policies'][p]['goodput_rps']:.4g} ({row['policies'][p]['attainment']:.0%})"
+            cells = " | ".join(f"{rate(row['policies'][p]['goodput_rps'])} ({row['policies'][p]['attainment']:.0%})"
                                for p in policies)
             ratio = "-" if row["auto_vs_best"] is None else f"{row['auto_vs_best']:.2f}x"
-            lines.append(f"| {result['scenario']} | {load} | {row['offered_rps']:.0f} | {cells} | "
+            lines.append(f"| {result['scenario']} | {load} | {rate(row['offered_rps'])} | {cells} | "
                          f"{row['best_fixed']} | {ratio} |")
     return "\n".join(lines)
 
@@ -99,8 +103,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--scenarios", nargs="+", default=sorted(p.stem for p in SCENARIOS.glob("*.yaml")))
     parser.add_argument("--shape", type=parse_shape, default=(64, 64))
     parser.add_argument("--profile", default="gpu-qwen3-32b-h100")
-    parser.add_argument("--loads", nargs="+", type=float, default=[8, 16, 24, 32])
-    parser.add_argument("--window-s", type=float, default=5.0, help="how long requests arrive at each point")
+    parser.add_argument("--loads", nargs="+", type=float, default=[8, 16, 24])
+    parser.add_argument("--window-s", type=float, default=3.0, help="how long requests arrive at each point")
     parser.add_argument("--policies", nargs="+", choices=SERVING, default=list(SERVING))
     parser.add_argument("--out", type=Path, default=Path("bench/results/sim/sweep-gpu-64x64"))
     args = parser.parse_args(argv)

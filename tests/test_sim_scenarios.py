@@ -104,7 +104,7 @@ def test_the_sweep_compares_auto_with_the_best_fixed_mode_at_each_load(tmp_path)
                               "--loads", "0.5", "2", "--window-s", "10", "--out", str(tmp_path)])
     assert [r["scenario"] for r in results] == ["steady", "replica-failure"]
     for result in results:
-        assert list(result["loads"]) == ["0.5", "2.0"]
+        assert list(result["loads"]) == ["0.5", "2"]
         light, heavy = result["loads"].values()
         assert heavy["offered_rps"] == pytest.approx(4 * light["offered_rps"], rel=0.3)
         for row in result["loads"].values():
@@ -112,7 +112,7 @@ def test_the_sweep_compares_auto_with_the_best_fixed_mode_at_each_load(tmp_path)
             assert fixed[row["best_fixed"]] == max(fixed.values())
             assert row["auto_vs_best"] == pytest.approx(row["policies"]["auto"]["goodput_rps"] / max(fixed.values()))
     # four times the load is past what 2P x 2D of cpu-tiny serves: fewer requests meet their SLOs
-    assert results[0]["loads"]["2.0"]["policies"]["local"]["attainment"] < 0.5
+    assert results[0]["loads"]["2"]["policies"]["local"]["attainment"] < 0.5
     assert results[0]["loads"]["0.5"]["policies"]["pull"]["attainment"] > 0.9
     table = (tmp_path / "table.md").read_text()
     assert table.count("\n| steady |") == 2 and "auto / best" in table
