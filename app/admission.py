@@ -76,9 +76,10 @@ class ClassAdmission:
     def judged(self, ticket: Ticket, met: bool) -> None:
         """Whether the request met its class's objectives, told once, as soon as known (no first token by the
         TTFT objective is a miss then, waiting or running; the ingress tells this before the request leaves). A
-        miss halves every less urgent class's share, unless the shares were cut since it arrived (it waited and ran under the old ones,
-        which that cut already answered). A met request lets every cut share grow by one slot per as many met
-        requests as the share holds; a grown share lets waiting requests start at the next `leave`."""
+        miss halves every less urgent class's share, unless the shares were cut since it arrived (it waited and
+        ran under the old ones, which that cut already answered). A met request lets every cut share grow by one
+        slot per as many met requests as the share holds; a grown share lets waiting requests start at the next
+        `leave`."""
         if ticket.judged:
             return
         ticket.judged = True

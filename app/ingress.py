@@ -111,6 +111,7 @@ class OpenAIIngress:
         self.policy = ModePolicy(PolicyConfig(
             policy=config.transfer.default_mode, modes=config.transfer.modes, priors=config.ingress.mode_policy,
             rule=config.ingress.threshold_rule, decode_chunk_tokens=config.decode.prefill_chunk_tokens,
+            decode_step_tokens=config.decode.step_tokens,
             ttft_weight={name: c.ttft_weight for name, c in self.classes.items()}))
         self.engines = {"prefill": prefill, "decode": decode}
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.

@@ -4,15 +4,17 @@ Pure: no Ray, no vLLM, no I/O, no clock. The ingress calls it once a prompt is t
 same code against modelled engines.
 
 The cost of each option is two numbers, in seconds:
-- ttft: hop (the option's fixed path cost) + queue (tokens already queued on the engine that prefills, times that
-  engine's seconds per token) + prefill (the prompt's tokens, times the same rate) + the hand-off, when the first
-  token is not seeded by prefill (it then waits for the KV on decode);
-- stall: the longest gap the option adds between two tokens of any one stream -- what a stream's user sees, and what
-  an inter-token latency SLO bounds, stream by stream. A local prefill on a decode engine holds each of its running
-  streams for the prefill's per-token part (the step's fixed part they would wait for anyway), or, where that engine
-  computes a long prompt in chunks while others run (`decode_chunk_tokens`), for one chunk's; a hand-off holds them
-  for one admission step; a seeded remote request's own second token waits for its hand-off (a seeded request of one
-  token is answered by prefill alone: no stall).
+- ttft: hop (the option's fixed path cost) + queue (tokens already queued on the engine that prefills, at the rate
+  that engine's queue drains) + prefill (a step's fixed part and the prompt's tokens at that engine's rate) + the
+  hand-off, when the first token is not seeded by prefill (it then waits for the KV on decode);
+- stall: the longest gap the option brings between two tokens of any one stream -- what a stream's user sees, and
+  what an inter-token latency SLO bounds, stream by stream. A local prefill on a decode engine holds each of its
+  running streams for the per-token part of the step that computes it (the step's fixed part they would wait for
+  anyway): the prompt's tokens, or, where that engine computes a long prompt in chunks while others run
+  (`decode_chunk_tokens`), one chunk's, with the prompt tokens queued before it that the same step takes (up to the
+  engine's step budget, `decode_step_tokens`); a hand-off holds them for one admission step; a seeded remote
+  request's own second token waits for its hand-off (a seeded request of one token is answered by prefill alone: no
+  stall).
 The option with the lowest `ttft_weight(class) * ttft + stall_weight * stall * held` wins: every user's seconds of
 waiting, where `held` is how many streams wait out the stall. A local prefill's falls on every stream decoding on
 its replica -- its compute is in each of their steps; a hand-off's is counted once: its admission is one more row in
@@ -280,6 +282,7 @@ class PolicyConfig:
     priors: CostPriors = CostPriors()
     rule: ThresholdRule = ThresholdRule()
     decode_chunk_tokens: int | None = None  # the most prompt tokens a decode engine computes for one request a step
+    decode_step_tokens: int | None = None  # the most tokens a decode engine computes in one step, all requests together
     # Per service class: its own TTFT's weight against the stall it imposes (a class not named weighs 1).
     ttft_weight: Mapping[str, float] = field(default_factory=lambda: {"interactive": 1.0, "batch": 0.25})
 
@@ -365,8 +368,11 @@ class ModePolicy:
                 prefill = model.prefill("decode", level)
                 ttft = (model.hop_s["local"] + best.queued(mode) * model.queue_s_per_token("decode", level)
                         + prefill(tokens))
-                chunk = min(tokens, self.config.decode_chunk_tokens or tokens)
-                stall = chunk * prefill.s_per_token if decode.decoding else 0.0
+                # The step that computes the prompt (or its chunk) computes the prompts queued before it too, as
+                # many as the step's budget takes: each stream's gap is that whole step's.
+                step = best.queued(mode) + min(tokens, self.config.decode_chunk_tokens or tokens)
+                step = min(step, self.config.decode_step_tokens or step)
+                stall = step * prefill.s_per_token if decode.decoding else 0.0
                 held = decode.decoding
             elif best.prefill is None:
                 continue
@@ -383,7 +389,7 @@ class ModePolicy:
                     stall = max(stall, handoff)  # the request's own second token waits for its KV
                 else:
                     ttft += handoff + priors.admit_step_s
-            costs[mode] = OptionCost(ttft, stall, weight * ttft + priors.stall_weight * stall * max(held, 1))
+            costs[mode] = OptionCost(ttft, stall, weight * ttft + priors.stall_weight * stall * held)
         return costs
 
 

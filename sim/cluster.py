@@ -13,13 +13,13 @@ stamped with when it last changed, and the ingress adds the legs it sent since, 
 A replica can die (`fail`): the router stops sending it legs, and a replacement takes over after the profile's
 `replica_start_s`. A request that lost a leg is met as the app's request flow meets it: started again in the same mode
 on the replicas left (up to MAX_ATTEMPTS in all) if nothing had reached its client; a pull request whose decode leg
-was lost before it streamed reads its KV again from prefill on another decode replica; otherwise it ends with an
-error (`failed`).
+was lost before it streamed reads its KV again from prefill on another decode replica (up to MAX_ATTEMPTS reads);
+otherwise it ends with an error (`failed`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from app.admission import RUNNING, SHED, WAITING, ClassAdmission, Ticket
@@ -48,8 +48,9 @@ class Served:
     done: bool = False
     failed: bool = False  # ended with an error: no replica to take it, or one died once it had streamed
     attempts: int = 0  # its flow's starts (more than one: a leg's replica died before the client got anything)
-    # "prefill", "decode": the legs in flight; "held": prefill's KV kept for decode to READ -> (Replica, SimRequest)
-    legs: dict = field(default_factory=dict, repr=False)
+    reads: int = 0  # pull: decode legs sent to READ its KV (more than one: a decode replica died before it READ)
+    # "prefill", "decode": the legs in flight; "held": prefill's KV kept for decode to READ
+    legs: dict[str, tuple[Replica, SimRequest]] = field(default_factory=dict, repr=False)
 
     @property
     def shed(self) -> bool:
@@ -89,7 +90,9 @@ class SimApp:
         self.by_name = {r.name: r for role in self.replicas.values() for r in role}
         self.sent = {role: LegsSent() for role in self.replicas}
         self.expected = {role: LegsExpected() for role in self.replicas}
-        self.policy = ModePolicy(policy)
+        # The decode engines' limits, as the app reads them from its engines' configuration
+        self.policy = ModePolicy(replace(policy, decode_chunk_tokens=profile.decode.chunk_tokens,
+                                         decode_step_tokens=profile.decode.max_num_batched_tokens))
         # As many as the decode engines run at once (app/config.py ingress_slots), in one ingress, and as many
         # waiting in its queue
         self.slots = slots or decode_replicas * profile.decode.max_num_seqs
@@ -163,16 +166,18 @@ class SimApp:
 
     def _replaced(self, replica: Replica) -> None:
         replica.engine.restart()
-        replica.healthy, replica.in_flight, replica.seen = True, 0, None
+        replica.healthy, replica.seen = True, None
 
     def _lost(self, served: Served, decision: Decision, leg: SimRequest) -> None:
         """A leg of the request was lost with its replica (app/request_flow.py's retries)."""
         role = next((role for role, (_, mine) in served.legs.items() if mine is leg), None)
         if role is None:
             return  # the request was already met: another of its legs was lost first
-        del served.legs[role]
-        if served.mode == "pull" and role == "decode" and "held" in served.legs and len(served.token_times) == 1:
-            # prefill still leases the KV: another decode replica READs it
+        replica, _ = served.legs.pop(role)
+        replica.in_flight -= role != "held"
+        if (served.mode == "pull" and role == "decode" and "held" in served.legs and len(served.token_times) == 1
+                and served.reads < MAX_ATTEMPTS):
+            # prefill still leases the KV: another decode replica READs it (the app's decode leg retries as often)
             self._pull_decode(served, decision)
             return
         self._drop_legs(served)
@@ -307,6 +312,7 @@ class SimApp:
             self._end(served, failed=True)
             return
         self._send("decode", decode, 0)
+        served.reads += 1
         served.timeline.events["decode_dispatched"] = self.clock.now
 
         def reserved(leg: SimRequest, now: float) -> None:

@@ -43,6 +43,11 @@ class EngineSpec:
     num_blocks: int = 100_000
     priority_scheduling: bool = True  # False: first come, first served
 
+    @property
+    def chunk_tokens(self) -> int:
+        """The most prompt tokens one request computes in a step."""
+        return min(self.long_prefill_token_threshold or self.max_num_batched_tokens, self.max_num_batched_tokens)
+
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 
@@ -236,9 +241,7 @@ class EngineModel:
         return plan
 
     def _chunk(self, request: SimRequest, budget: int) -> int:
-        n = request.remaining
-        if request.prefilling and self.spec.long_prefill_token_threshold:
-            n = min(n, self.spec.long_prefill_token_threshold)
+        n = min(request.remaining, self.spec.chunk_tokens) if request.prefilling else request.remaining
         return min(n, budget)
 
     def _allocate(self, request: SimRequest, tokens: int) -> bool:
