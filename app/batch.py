@@ -24,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from app.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validated
+from app.ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validated
 
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 # A request turned away by the ingress's full queue (429) is retried after the app's Retry-After, for up to

@@ -10,16 +10,16 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from app.config import EngineConfig, PDAppConfig, load_config
-from app.engine_server import DecodeServer, EngineServer, PrefillServer
-from app.ingress import OpenAIIngress
-from app.load_view import ROUTING_STATS_PERIOD_S
-from app.routing import EngineLoadRouter
+from app.engine.server import DecodeServer, EngineServer, PrefillServer
+from app.flow.routing import EngineLoadRouter
+from app.ingress.server import OpenAIIngress
+from app.policy.load_view import ROUTING_STATS_PERIOD_S
 from app.rsllm_config import from_pd_serving_args
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # How often Serve asks an engine replica whether it is alive (its default is 10 s). Serve replaces a replica whose
 # engine died after three failed checks, so this bounds how long a leg runs one replica short. (The ingress does not
-# wait for it: app/replica_view.py.) The check is one cheap call to the engine.
+# wait for it: app/flow/replica_view.py.) The check is one cheap call to the engine.
 ENGINE_HEALTH_CHECK_PERIOD_S = 2
 # Serve's replicas, and the handles inside them, export their metrics every 100 ms by default: ten wake-ups a second
 # in every process of the app, idle or not. Once a second is as fresh as a Prometheus scrape needs. (A runtime_env
@@ -62,8 +62,8 @@ def engine_deployment(server: type[EngineServer], engine: EngineConfig) -> serve
 
 
 def ingress_options(config: PDAppConfig) -> dict[str, Any]:
-    """An ingress replica runs `ingress_slots` requests and queues as many more by class (app/admission.py); Serve
-    lets it hold as many again, which it turns away at once when its queue is full, so that no request waits in
+    """An ingress replica runs `ingress_slots` requests and queues as many more by class (app/policy/admission.py);
+    Serve lets it hold as many again, which it turns away at once when its queue is full, so that no request waits in
     Serve's own queue (first come, first served) behind batch work. Serve's queue counts every request not yet
     handed to a replica, so a burst arriving at once passes through it: it holds as many as the replicas do.
     Past even that, Serve answers 503 with a Retry-After header (back-pressure) rather than let it grow without

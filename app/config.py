@@ -18,8 +18,8 @@ import yaml
 from vllm.config import SchedulerConfig
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from app.mode_policy import CostPriors, ThresholdRule
-from app.service_class import ServiceClass, default_classes
+from app.policy.mode_policy import CostPriors, ThresholdRule
+from app.policy.service_class import ServiceClass, default_classes
 from kv.config import StrictModel, TransferConfig
 
 
@@ -174,10 +174,10 @@ class IngressConfig(StrictModel):
         "with the `x-pd-stream-interval-ms` header.")
     mode_policy: CostPriors = Field(
         default_factory=CostPriors, description="Where the `auto` mode policy's learned costs start and how it "
-        "weighs a request's TTFT against the stall it imposes on running streams (app/mode_policy.py).")
+        "weighs a request's TTFT against the stall it imposes on running streams (app/policy/mode_policy.py).")
     threshold_rule: ThresholdRule = Field(
         default_factory=ThresholdRule, description="The `threshold` policy's rule: local below a prompt length or "
-        "while prefill is backed up, else its remote mode (app/mode_policy.py).")
+        "while prefill is backed up, else its remote mode (app/policy/mode_policy.py).")
     classes: dict[str, ServiceClass] = Field(
         default_factory=default_classes, min_length=1, description="The service classes a request may name (the "
         "`x-pd-class` header, the body's `pd_class`, the handle API's `pd_class`).")

@@ -86,7 +86,7 @@ def from_pd_serving_args(args: dict[str, Any]) -> PDAppConfig:
     if unknown := set(args) - known:
         raise UnsupportedField(f"{sorted(unknown)} have no meaning in this app")
     if args.get("ingress_cls_config"):
-        raise UnsupportedField("ingress_cls_config: this app's ingress is its own (app/ingress.py)")
+        raise UnsupportedField("ingress_cls_config: this app's ingress is its own (app/ingress/server.py)")
     prefill, prefill_transfer = _engine_section("prefill_config", args["prefill_config"])
     decode, decode_transfer = _engine_section("decode_config", args["decode_config"])
     transfer = _transfer_section(prefill_transfer)

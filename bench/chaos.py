@@ -211,7 +211,7 @@ def kv_blocks_in_use(timeout_s: float) -> dict[str, int]:
     the load each replica reports to Serve's routers."""
     from ray import serve
 
-    from app.replica_view import ROUTERS
+    from app.flow.replica_view import ROUTERS
 
     handles = {role: serve.get_deployment_handle(name, app_name=APP) for role, name in ROLES.items()}
     blocks = {role: h.engine_info.remote().result()["num_kv_blocks"] for role, h in handles.items()}

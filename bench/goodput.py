@@ -43,8 +43,8 @@ import httpx
 from rich.console import Console
 from tqdm import tqdm
 
-from app.mode_policy import MODES, SERVING
-from app.service_class import ServiceClass
+from app.policy.mode_policy import MODES, SERVING
+from app.policy.service_class import ServiceClass
 from bench.load import Sample, Target, percentile, send
 from bench.report import machine, update_readme
 from bench.systems import ROOT, bench_config, side_by_side

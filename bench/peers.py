@@ -9,7 +9,8 @@ Systems:
 - `vllm-x2`: two such servers, one per side's cores, behind a round-robin client (what these cores run instead of
   1P1D);
 - `push`, `pull`, `local`: this app, each request in that mode;
-- `auto`: this app, each request in the mode its policy chooses (app/mode_policy.py; the decision mix is reported);
+- `auto`: this app, each request in the mode its policy chooses (app/policy/mode_policy.py; the decision mix
+  is reported);
 - `rsllm-pd`: Ray Serve LLM's `build_pd_openai_app` with vLLM's NixlConnector, engines on the same cores;
 - `serve-floor`: Ray Serve alone on the app's hops (proxy, ingress replica, handle stream from a second replica),
   streaming a token every `--floor-itl-ms` with no engine (bench/systems.py): the app's cost above Ray Serve's own.
@@ -162,7 +163,7 @@ def markdown(results: dict) -> str:
                      + f" | {ratio(gap.get('push'), tpot)} | {ratio(gap.get('pull'), tpot)} |")
     phased = [m for m in APP_MODES if m in lat and "phases_p50_ms" in lat[m][str(results["lengths"][0])]]
     if phased:
-        lines += ["", "**Where the app's TTFT goes: median ms per phase** (app/timeline.py; TTFT here is the "
+        lines += ["", "**Where the app's TTFT goes: median ms per phase** (app/flow/timeline.py; TTFT here is the "
                   "ingress's own stamp, without the HTTP proxy):", ""]
         phases = list(lat[phased[0]][str(results["lengths"][0])]["phases_p50_ms"])
         for m in phased[1:]:

@@ -17,7 +17,9 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from app.mode_policy import MODES, ClusterSnapshot, ModePolicy, Observation, PolicyConfig, ReplicaLoad, RequestFeatures
+from app.policy.mode_policy import (
+    MODES, ClusterSnapshot, ModePolicy, Observation, PolicyConfig, ReplicaLoad, RequestFeatures,
+)
 
 SHAPES = ((1, 1), (1, 2), (8, 8), (64, 64))
 

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import cpu_set, hold_process_to
-from app.ingress import STREAM_INTERVAL_HEADER
+from app.ingress.server import STREAM_INTERVAL_HEADER
 from bench.load import Target, percentile, run_concurrent
 from bench.peers import random_prompt
 from bench.systems import System, VllmServer, app_on_own_cluster, bench_config, wait_ready
@@ -47,7 +47,7 @@ from bench.systems import System, VllmServer, app_on_own_cluster, bench_config, 
 CLIENT = "client (this process)"
 STALL_MS = 100
 ATTRIBUTED_MS = 50  # client-seen gaps at least this long are traced to the hop that added the most to them
-# The hops a chunk takes, each from the previous stamp to its own (app/ingress.py RequestOutput.chunk_stamps).
+# The hops a chunk takes, each from the previous stamp to its own (app/ingress/server.py RequestOutput.chunk_stamps).
 HOPS = ("engine step", "decode replica", "replica to ingress", "ingress to client")
 
 

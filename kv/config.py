@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TransferMode = Literal["push", "pull", "local"]
-# Policies, which choose a mode per request at the ingress (app/mode_policy.py). `auto`: the mode predicted
+# Policies, which choose a mode per request at the ingress (app/policy/mode_policy.py). `auto`: the mode predicted
 # cheapest; `threshold`: a fixed rule on the prompt's length and prefill's queue.
 AUTO = "auto"
 POLICIES = (AUTO, "threshold")
@@ -50,7 +50,7 @@ class TransferConfig(StrictModel):
     seed_first_token: bool = Field(
         default=True,
         description="Stream the token prefill samples at once and let decode continue from the second token, so "
-        "the KV hand-off is off the path to the first token (see app/first_token.py for which requests qualify).",
+        "the KV hand-off is off the path to the first token (see app/flow/first_token.py for which requests qualify).",
     )
     on_transfer_failure: Literal["fail", "recompute"] = Field(
         default="fail", description="When KV does not arrive: fail the request, or let decode compute the prompt."

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from app.mode_policy import SERVING
+from app.policy.mode_policy import SERVING
 from sim.run import simulate, summary
 from sim.scenario import load_scenario, parse_shape
 

@@ -1,6 +1,6 @@
 """The app, simulated: prefill and decode engine replicas (sim/engine.py) behind the ingress, whose admission, load
-view and mode policy are the app's own code (app/admission.py, app/load_view.py, app/mode_policy.py), and each
-mode's legs and KV hand-off as the app runs them (app/request_flow.py):
+view and mode policy are the app's own code (app/policy/admission.py, app/policy/load_view.py,
+app/policy/mode_policy.py), and each mode's legs and KV hand-off as the app runs them (app/flow/request_flow.py):
 - local: the decode replica the policy bound computes the prompt;
 - pull: a prefill replica computes it and samples the first token (sent to the client at once); then a decode
   replica, routed by its load at that moment, reserves blocks and READs the KV; prefill frees its blocks after;
@@ -22,13 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from app.admission import RUNNING, SHED, WAITING, ClassAdmission, Ticket
-from app.service_class import ServiceClass
-from app.load_view import LegsExpected, LegsSent, load_rank, replica_load
-from app.mode_policy import (ClusterSnapshot, Decision, ModePolicy, Observation, PolicyConfig, ReplicaLoad,
-                             RequestFeatures)
-from app.request_flow import MAX_ATTEMPTS
-from app.timeline import RequestTimeline
+from app.flow.request_flow import MAX_ATTEMPTS
+from app.flow.timeline import RequestTimeline
+from app.policy.admission import RUNNING, SHED, WAITING, ClassAdmission, Ticket
+from app.policy.load_view import LegsExpected, LegsSent, load_rank, replica_load
+from app.policy.mode_policy import (
+    ClusterSnapshot, Decision, ModePolicy, Observation, PolicyConfig, ReplicaLoad, RequestFeatures,
+)
+from app.policy.service_class import ServiceClass
 from sim.clock import Clock
 from sim.engine import EngineModel, SimRequest
 from sim.profile import Profile
@@ -43,7 +44,7 @@ class Served:
     timeline: RequestTimeline
     mode: str | None = None
     reason: str = ""
-    ticket: Ticket | None = None  # its place at the ingress (app/admission.py)
+    ticket: Ticket | None = None  # its place at the ingress (app/policy/admission.py)
     token_times: list[float] = field(default_factory=list)  # client-seen, on the virtual clock
     done: bool = False
     failed: bool = False  # ended with an error: no replica to take it, or one died once it had streamed
@@ -76,7 +77,7 @@ class Replica:
         self.healthy = True  # False from its death until its replacement is up
         self.seen: dict | None = None  # the report plus legs sent since, as last computed
         self.seen_until = 0.0  # when that stops holding by itself (a leg it counts ages out)
-        self.rank: tuple[int, int] = (0, 0)  # its load rank (app/load_view.py), as last computed
+        self.rank: tuple[int, int] = (0, 0)  # its load rank (app/policy/load_view.py), as last computed
         self.load: ReplicaLoad | None = None  # the same, as the policy reads it
 
 
@@ -114,8 +115,9 @@ class SimApp:
         self.clock.after(self.profile.report_period_s, self._report)
 
     def _seen(self, role: str, replica: Replica) -> dict:
-        """The replica's load as the ingress's router sees it (app/load_view.py). Kept between calls while nothing
-        it depends on changed: its report, the legs sent to it, and which of those still count by their age."""
+        """The replica's load as the ingress's router sees it (app/policy/load_view.py). Kept between calls while
+        nothing it depends on changed: its report, the legs sent to it, and which of those still count by their
+        age."""
         if replica.seen is None or self.clock.now >= replica.seen_until:
             sent = self.sent[role]
             replica.seen = sent.load(replica.name, replica.report, self.clock.now)
@@ -140,7 +142,7 @@ class SimApp:
         return ClusterSnapshot(loads["prefill"], loads["decode"])
 
     def _route(self, role: str) -> Replica | None:
-        """Serve's request router with the app's ranking (app/routing.py): lowest load rank, then fewest legs in
+        """Serve's request router with the app's ranking (app/flow/routing.py): lowest load rank, then fewest legs in
         flight, among the replicas alive; None if none is."""
         replicas = [r for r in self.replicas[role] if r.healthy]
         for replica in replicas:
@@ -169,7 +171,7 @@ class SimApp:
         replica.healthy, replica.seen = True, None
 
     def _lost(self, served: Served, decision: Decision, leg: SimRequest) -> None:
-        """A leg of the request was lost with its replica (app/request_flow.py's retries)."""
+        """A leg of the request was lost with its replica (app/flow/request_flow.py's retries)."""
         role = next((role for role, (_, mine) in served.legs.items() if mine is leg), None)
         if role is None:
             return  # the request was already met: another of its legs was lost first

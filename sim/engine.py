@@ -170,7 +170,7 @@ class EngineModel:
         self.release(request)
 
     def report(self) -> dict[str, float]:
-        """What the engine's replica reports for routing (app/engine_server.py `load`), but the time stamp."""
+        """What the engine's replica reports for routing (app/engine/server.py `load`), but the time stamp."""
         return {"running": len(self.running), "waiting": len(self.waiting) + len(self.reserving),
                 "kv_cache_usage": round(self.kv_usage, 3), "queued_prefill_tokens": self.queued_prefill_tokens,
                 "decoding": self.decoding, "legs_taken": self.legs_taken}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from app.service_class import ServiceClass
-from app.mode_policy import SERVING, PolicyConfig
+from app.policy.mode_policy import SERVING, PolicyConfig
+from app.policy.service_class import ServiceClass
 from sim.clock import Clock
 from sim.cluster import SimApp
 from sim.profile import Profile, load_profile

@@ -1,5 +1,5 @@
-"""Fit this machine's profile from the app's own measurements: a bench.peers run's per-request phases (app/timeline.py)
-and its concurrency sweep.
+"""Fit this machine's profile from the app's own measurements: a bench.peers run's per-request phases
+(app/flow/timeline.py) and its concurrency sweep.
 
     python -m sim.fit [--peers bench/results/results.json] [--name cpu-tiny] [--out sim/profiles/cpu-tiny.yaml]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from app.mode_policy import MODES
-from app.service_class import default_classes
+from app.policy.mode_policy import MODES
+from app.policy.service_class import default_classes
 from sim.profile import load_profile
 from sim.run import simulate
 from sim.scenario import Scenario, Stream, parse_shape

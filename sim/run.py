@@ -8,8 +8,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from app.mode_policy import PolicyConfig
-from app.service_class import ServiceClass, default_classes
+from app.policy.mode_policy import PolicyConfig
+from app.policy.service_class import ServiceClass, default_classes
 from sim.clock import Clock
 from sim.cluster import Served, SimApp
 from sim.profile import load_profile

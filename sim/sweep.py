@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from app.mode_policy import MODES, SERVING
+from app.policy.mode_policy import MODES, SERVING
 from sim.run import simulate, summary
 from sim.scenario import SCENARIOS, load_scenario, parse_shape
 

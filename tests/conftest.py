@@ -165,7 +165,7 @@ def deploy_ingress(app: RunningApp, name: str, ingress: dict | None = None, deco
     from ray import serve
 
     from app.config import PDAppConfig
-    from app.ingress import OpenAIIngress
+    from app.ingress.server import OpenAIIngress
 
     config = app_config(**(transfer or {}))
     config["ingress"] = ingress or {}

@@ -41,7 +41,7 @@ def check(bundles: list[dict], strategy: str, replica_options: dict, tensor_para
 def main(preset: str) -> None:
     from app.builder import engine_deployment
     from app.config import load_config
-    from app.engine_server import PrefillServer
+    from app.engine.server import PrefillServer
 
     engine = load_config(preset).prefill
     deployment = engine_deployment(PrefillServer, engine)

@@ -1,10 +1,10 @@
-"""The ingress's slots and queue by service class (app/admission.py): pure logic, no engines."""
+"""The ingress's slots and queue by service class (app/policy/admission.py): pure logic, no engines."""
 
 from __future__ import annotations
 
-from app.admission import LEFT, RUNNING, SHED, WAITING, ClassAdmission
 from app.config import PDAppConfig
-from app.service_class import default_classes
+from app.policy.admission import LEFT, RUNNING, SHED, WAITING, ClassAdmission
+from app.policy.service_class import default_classes
 from test_config import raw_cpu_config
 
 

@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from app.service_class import default_classes
+from app.policy.service_class import default_classes
 from conftest import CASES, ROOT, Case, app_config
 
 pytestmark = pytest.mark.engines
@@ -54,7 +54,7 @@ def _stream_text(base_url: str, path: str, body: dict) -> str:
 
 
 # A stop string that never matches: the request's output is unchanged, but it takes the unseeded path (decode samples
-# the first token itself; see app/first_token.py).
+# the first token itself; see app/flow/first_token.py).
 UNSEEDED = {"stop": ["<never-generated>"]}
 
 
@@ -196,7 +196,7 @@ def _ingress(app, name: str, ingress: dict):
 
     from app.builder import ingress_options
     from app.config import PDAppConfig
-    from app.ingress import OpenAIIngress
+    from app.ingress.server import OpenAIIngress
 
     config = PDAppConfig.model_validate({**app_config(), "ingress": ingress})
     serve.run(OpenAIIngress.options(name=f"Ingress-{name}", **ingress_options(config)).bind(

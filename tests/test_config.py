@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from app.builder import build_app, engine_deployment, ingress_options, resolve_config_path
 from app.config import PDAppConfig, cpu_set, load_config
-from app.engine_server import DecodeServer, PrefillServer
+from app.engine.server import DecodeServer, PrefillServer
 from kv.engine_identity import TransferIdentity
 from kv.transfer_config import build_kv_transfer_config
 

@@ -14,8 +14,8 @@ from vllm import SamplingParams
 
 from app.builder import engine_deployment
 from app.config import PDAppConfig
-from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult
-from app.engine_server import DecodeServer
+from app.engine.protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult
+from app.engine.server import DecodeServer
 from conftest import CASES, LEASE_S, PUSH_TIMEOUT_S, app_config, counter_growth, prompt_token_ids, wait_until
 from kv.transfer_params import new_transfer_id, prefill_params, pull_decode_params, push_decode_params
 

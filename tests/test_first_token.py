@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from vllm import SamplingParams
 
-from app.first_token import after_seed, can_seed, prefill_sampling
+from app.flow.first_token import after_seed, can_seed, prefill_sampling
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

@@ -3,7 +3,7 @@ pure logic, no engines."""
 
 from __future__ import annotations
 
-from app.service_class import ServiceClass
+from app.policy.service_class import ServiceClass
 from bench.goodput import Outcome, cell_stats, met_slo, prompt_ids, request_records
 from bench.load import Sample
 from sim.workload import OFF_S, ON_S, OUTPUT_MAX, PROMPT_TOKENS, Arrival, arrivals

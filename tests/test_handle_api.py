@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.openai_protocol import APIError, ChatCompletionRequest
+from app.ingress.openai_protocol import APIError, ChatCompletionRequest
 from conftest import APP_NAME, CASES, readme_example
 
 pytestmark = pytest.mark.engines

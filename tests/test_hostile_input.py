@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.openai_protocol import UNSUPPORTED_FIELDS
+from app.ingress.openai_protocol import UNSUPPORTED_FIELDS
 
 pytestmark = pytest.mark.engines
 MODEL = "tiny-qwen3"

@@ -1,4 +1,4 @@
-"""The ingress decides the mode (app/mode_policy.py), on the session's real engines: an ingress with
+"""The ingress decides the mode (app/policy/mode_policy.py), on the session's real engines: an ingress with
 `default_mode: auto` in front of them. Every answer names its mode and the reason; the decision and its predicted
 costs are in the timeline; a named mode is obeyed; whatever the policy picks, the output is the colocated engine's
 and a disaggregated answer's prompt crossed as KV."""
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from app.mode_policy import LOWEST_COST, REASONS, REQUESTED, RULE
+from app.policy.mode_policy import LOWEST_COST, REASONS, REQUESTED, RULE
 from conftest import CASES, deploy_ingress
 
 pytestmark = pytest.mark.engines

@@ -1,11 +1,11 @@
-"""The mode policy (app/mode_policy.py): every reason, the cost model against hand-computed numbers, and what it
+"""The mode policy (app/policy/mode_policy.py): every reason, the cost model against hand-computed numbers, and what it
 learns. Pure logic: no engines."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.mode_policy import (
+from app.policy.mode_policy import (
     CONFIGURED,
     DECODE_UNAVAILABLE,
     EXPLORE,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from app.engine_protocol import EngineChunk
-from app.openai_protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseWriter
+from app.engine.protocol import EngineChunk
+from app.ingress.openai_protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseWriter
 
 
 def test_client_transfer_params_are_refused():

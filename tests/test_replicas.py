@@ -1,4 +1,4 @@
-"""Several replicas per leg, routed by Serve's request router on the load engines report (app/routing.py): the
+"""Several replicas per leg, routed by Serve's request router on the load engines report (app/flow/routing.py): the
 1P2D preset's decode side (two decode replicas sharing core 1), with a second prefill replica for push pairing.
 Real engines and transfers; the app runs beside the session's, in front of engines of its own. Last, one decode
 replica is killed and the other serves every request after."""

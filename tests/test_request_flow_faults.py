@@ -10,10 +10,10 @@ import time
 import pytest
 from vllm import SamplingParams
 
-from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult, ReplicaUnavailable
-from app.request_flow import EngineFailed, LegUnavailable, RequestFlow
-from app.replica_view import ROUTERS
-from app.timeline import RequestTimeline
+from app.engine.protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult, ReplicaUnavailable
+from app.flow.replica_view import ROUTERS
+from app.flow.request_flow import EngineFailed, LegUnavailable, RequestFlow
+from app.flow.timeline import RequestTimeline
 from kv.config import TransferConfig
 from kv.transfer_params import MODE_KEY
 
@@ -183,7 +183,7 @@ def test_a_replica_whose_engine_died_is_passed_over_and_the_request_served_by_an
     flow = RequestFlow(FakeHandle("prefill"), decode, TransferConfig(), replica_wait_s=1)
     assert asyncio.run(run_flow(flow, "local", LOCAL_REQUEST)) == LOCAL_ANSWER
     assert routers["decode"].failed == {"decode-a"} and len(decode.calls) == 2
-    # Each replica that took the leg counts its prompt in its load until it reports it (app/replica_view.py)
+    # Each replica that took the leg counts its prompt in its load until it reports it (app/flow/replica_view.py)
     assert routers["decode"].legs_sent == [("decode-a", 3), ("decode-b", 3)]
 
 

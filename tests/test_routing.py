@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 from ray.serve.request_router import RequestRouter
 
-from app.load_view import SENT_LEG_MAX_AGE_S, LegsSent, load_rank
-from app.replica_view import ROUTERS, ReplicaView
-from app.routing import EngineLoadRouter
+from app.flow.replica_view import ROUTERS, ReplicaView
+from app.flow.routing import EngineLoadRouter
+from app.policy.load_view import SENT_LEG_MAX_AGE_S, LegsSent, load_rank
 
 
 def replica(name: str, **stats) -> SimpleNamespace:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-import app.admission
-import app.load_view
-import app.mode_policy
+import app.policy.admission
+import app.policy.load_view
+import app.policy.mode_policy
 import sim.cluster
-from app.service_class import default_classes
-from app.mode_policy import PolicyConfig
+from app.policy.mode_policy import PolicyConfig
+from app.policy.service_class import default_classes
 from sim.clock import Clock
 from sim.cluster import SimApp
 from sim.engine import EngineSpec, StepCost
@@ -140,9 +140,10 @@ def test_a_seed_gives_the_same_run():
 
 
 def test_the_simulator_runs_the_apps_own_policy_load_view_and_admission():
-    assert sim.cluster.ModePolicy is app.mode_policy.ModePolicy
-    assert sim.cluster.ClassAdmission is app.admission.ClassAdmission
-    assert sim.cluster.LegsSent is app.load_view.LegsSent and sim.cluster.load_rank is app.load_view.load_rank
+    assert sim.cluster.ModePolicy is app.policy.mode_policy.ModePolicy
+    assert sim.cluster.ClassAdmission is app.policy.admission.ClassAdmission
+    assert sim.cluster.LegsSent is app.policy.load_view.LegsSent
+    assert sim.cluster.load_rank is app.policy.load_view.load_rank
     # and no copy of them under sim/
     theirs = {"ModePolicy", "CostModel", "ClassAdmission", "LegsSent", "LegsExpected", "load_rank", "replica_load"}
     for path in Path(sim.cluster.__file__).parent.glob("*.py"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.mode_policy import MODES
+from app.policy.mode_policy import MODES
 from sim.mode_map import mode_map, plot
 
 

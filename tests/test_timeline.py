@@ -1,6 +1,6 @@
 """The request timeline: phases from stamped events, and the report a client asks for."""
 
-from app.timeline import PHASES, RequestTimeline
+from app.flow.timeline import PHASES, RequestTimeline
 
 
 def test_phases_span_their_events_and_skip_what_did_not_happen():

@@ -2,7 +2,8 @@
 since, plus the legs decided on for its role that no replica has taken yet; and how replicas rank by it.
 
 Pure: the time is passed in, nothing is read or sent here. The request routers and the ingress's replica view
-(app/routing.py, app/replica_view.py) run it on the wall clock; the simulator (sim/) runs the same code on its own.
+(app/flow/routing.py, app/flow/replica_view.py) run it on the wall clock; the simulator (sim/) runs the same code
+on its own.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from collections import deque
 from typing import Any, Iterable, Mapping
 
-from app.mode_policy import ReplicaLoad
+from app.policy.mode_policy import ReplicaLoad
 
 ROUTING_STATS_PERIOD_S = 0.2
 # A leg sent to a replica counts on top of its report until a report of a load that changed after the leg was sent

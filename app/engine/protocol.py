@@ -15,7 +15,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     kv_transfer_params: dict[str, Any] | None = None
-    # Decode passes on at most one chunk per this many seconds after the first ones (app/engine_server.py).
+    # Decode passes on at most one chunk per this many seconds after the first ones (app/engine/server.py).
     stream_interval_s: float = 0.0
     # vLLM's priority scheduling: each engine runs waiting requests of a lower number first (the request's service
     # class, app/config.py ServiceClass).

@@ -26,7 +26,7 @@ class ServiceClass(StrictModel):
     ttft_weight: float = Field(
         default=1.0, ge=0, description="How much the `auto` mode policy weighs this class's own TTFT against the "
         "stall a mode imposes on running streams (`mode_policy.stall_weight`): below 1, the class takes a mode "
-        "that is cheaper for the others and slower for itself (app/mode_policy.py).")
+        "that is cheaper for the others and slower for itself (app/policy/mode_policy.py).")
 
     def met(self, ttft_s: float, tpot_s: float | None = None) -> bool:
         """Whether a request met this class's objectives: its time to first token and, if it had more than one

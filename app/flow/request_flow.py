@@ -10,10 +10,10 @@ from typing import AsyncGenerator, AsyncIterator, Callable
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult, ReplicaUnavailable
-from app.first_token import after_seed, can_seed, prefill_sampling
-from app.replica_view import ReplicaView
-from app.timeline import RequestTimeline
+from app.engine.protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult, ReplicaUnavailable
+from app.flow.first_token import after_seed, can_seed, prefill_sampling
+from app.flow.replica_view import ReplicaView
+from app.flow.timeline import RequestTimeline
 from kv.config import POLICIES, TransferConfig, TransferMode
 from kv.transfer_params import new_transfer_id, prefill_params, pull_decode_params, push_decode_params
 
@@ -154,7 +154,7 @@ class RequestFlow:
 
     def _leg(self, role: str, stream: DeploymentResponseGenerator, tokens_to_compute: int) -> Leg:
         """`tokens_to_compute`: the prompt tokens the leg's engine computes, which count in its replica's load from
-        the moment it takes the leg (app/replica_view.py)."""
+        the moment it takes the leg (app/flow/replica_view.py)."""
         return Leg(role, stream, self.replica_wait_s,
                    lambda replica: self.replicas.sent(role, replica, tokens_to_compute), self.replicas.mark_failed)
 

@@ -22,13 +22,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from transformers import AutoTokenizer
 
-from app.admission import SHED, WAITING, ClassAdmission, Ticket
 from app.config import PDAppConfig, cpu_set, hold_process_to
-from app.engine_protocol import EngineChunk, EngineRequest
-from app.first_token import can_seed
-from app.ingress_metrics import EventLoopLag, IngressMetrics
-from app.mode_policy import Decision, ModePolicy, Observation, PolicyConfig, RequestFeatures
-from app.openai_protocol import (
+from app.engine.protocol import EngineChunk, EngineRequest
+from app.flow.first_token import can_seed
+from app.flow.request_flow import LegUnavailable, RequestFlow, UnsupportedMode
+from app.flow.timeline import RequestTimeline
+from app.ingress.metrics import EventLoopLag, IngressMetrics
+from app.ingress.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,15 +37,15 @@ from app.openai_protocol import (
     as_request,
     validated,
 )
-from app.request_flow import LegUnavailable, RequestFlow, UnsupportedMode
-from app.timeline import RequestTimeline
+from app.policy.admission import SHED, WAITING, ClassAdmission, Ticket
+from app.policy.mode_policy import Decision, ModePolicy, Observation, PolicyConfig, RequestFeatures
 from app.tiny_model import resolve_model_source
 from kv.config import POLICIES, TransferMode
 
 logger = logging.getLogger("ray.serve")
 MODE_HEADER = "x-kv-transfer-mode"
-REASON_HEADER = "x-kv-transfer-reason"  # why the request took its mode (app/mode_policy.py)
-# A client that sends `x-pd-timings: 1` gets the request's timeline (app/timeline.py) in the response.
+REASON_HEADER = "x-kv-transfer-reason"  # why the request took its mode (app/policy/mode_policy.py)
+# A client that sends `x-pd-timings: 1` gets the request's timeline (app/flow/timeline.py) in the response.
 TIMINGS_HEADER = "x-pd-timings"
 # A client may ask for another interval between a stream's chunks than the configured one (app/config.py).
 STREAM_INTERVAL_HEADER = "x-pd-stream-interval-ms"
@@ -187,7 +187,7 @@ class OpenAIIngress:
 
     async def event_loop_lag(self) -> dict[str, float]:
         """How late this replica's event loop ran due tasks while requests were in flight, since the last call
-        (app/ingress_metrics.py EventLoopLag; bench/stack_cpu.py reads it). On the loop, like the sampling."""
+        (app/ingress/metrics.py EventLoopLag; bench/stack_cpu.py reads it). On the loop, like the sampling."""
         return self.loop_lag.summary()
 
     def transfer_modes(self) -> dict:
@@ -234,7 +234,7 @@ class OpenAIIngress:
 
     @contextlib.contextmanager
     def _counting_refusals(self):
-        """A request refused before it starts is counted as such (app/ingress_metrics.py)."""
+        """A request refused before it starts is counted as such (app/ingress/metrics.py)."""
         try:
             yield
         except APIError as e:
@@ -316,7 +316,7 @@ class OpenAIIngress:
         return decision
 
     def _learn(self, admitted: Admitted) -> None:
-        """A served request's timeline teaches the policy its costs (app/mode_policy.py, CostModel.observe)."""
+        """A served request's timeline teaches the policy its costs (app/policy/mode_policy.py, CostModel.observe)."""
         seen = Observation.from_phases(admitted.mode, admitted.output.num_prompt_tokens, admitted.decision,
                                        admitted.output.timeline.phases())
         if seen is not None:
@@ -384,7 +384,7 @@ class OpenAIIngress:
         return admitted
 
     async def _slot(self, pd_class: str, timeline: RequestTimeline) -> Ticket:
-        """A running slot for a request of `pd_class`, once the queue gives it one (app/admission.py); a 429 with
+        """A running slot for a request of `pd_class`, once the queue gives it one (app/policy/admission.py); a 429 with
         Retry-After if the queue turns it away, a 503 if no slot frees within the request timeout. From its
         arrival on, a request with no first token out by its class's TTFT objective is a miss, told to the queue
         then, whether it still waits or runs: the less urgent classes yield while it matters, not once the late
@@ -470,7 +470,7 @@ class OpenAIIngress:
 
     def _judge(self, admitted: Admitted) -> None:
         """Tells the queue whether the request that ended met its class's objectives (ingress-seen), unless its
-        TTFT deadline already told a miss (app/admission.py cuts or grows the less urgent classes' shares)."""
+        TTFT deadline already told a miss (app/policy/admission.py cuts or grows the less urgent classes' shares)."""
         events = admitted.output.timeline.events
         if admitted.ticket.judged or "first_token_sent" not in events:
             return

@@ -68,7 +68,7 @@ class RequestFeatures:
     max_tokens: int
     requested_mode: Mode | Policy | None = None  # the client's choice; None: the configured policy's
     qos_class: str = "interactive"
-    seeded: bool = True  # whether a disaggregated answer's first token comes from prefill (app/first_token.py)
+    seeded: bool = True  # whether a disaggregated answer's first token comes from prefill (app/flow/first_token.py)
     push_capable: bool = True  # False for a request that needs something push cannot carry
 
 
@@ -168,7 +168,7 @@ class Observation:
     @staticmethod
     def from_phases(mode: Mode, prompt_tokens: int, decision: Decision, phases: Mapping[str, float]
                     ) -> Observation | None:
-        """From a served request's decision and phases in seconds (app/timeline.py's names); None where its prefill
+        """From a served request's decision and phases in seconds (app/flow/timeline.py's names); None where its prefill
         went unseen."""
         local = mode == "local"
         prefill_s = phases.get("decode_first_step" if local else "prefill_compute")

@@ -47,7 +47,7 @@ class RequestTimeline:
         self.replicas[role] = replica
 
     def decided(self, mode: str, reason: str, costs: dict, pd_class: str) -> None:
-        """`costs`: mode -> OptionCost (app/mode_policy.py), reported in milliseconds."""
+        """`costs`: mode -> OptionCost (app/policy/mode_policy.py), reported in milliseconds."""
         self.decision = {"mode": mode, "reason": reason, "class": pd_class, "predicted_ms": {
             option: {"ttft": round(cost.ttft_s * 1e3, 3), "stall": round(cost.stall_s * 1e3, 3)}
             for option, cost in costs.items()}}

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping
 
-from app.service_class import ServiceClass
+from app.policy.service_class import ServiceClass
 
 RUNNING, WAITING, SHED, LEFT = "running", "waiting", "shed", "left"
 

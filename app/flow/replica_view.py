@@ -1,16 +1,16 @@
 """Which engine replicas of each leg can take a request right now, and how loaded they are, as this ingress process
 sees them.
 
-The source is the request router of each engine deployment in this process (app/routing.py). Serve keeps it up to
+The source is the request router of each engine deployment in this process (app/flow/routing.py). Serve keeps it up to
 date with the replicas its controller lists as running, and it drops a replica the moment any call to it finds its
 actor dead, long before Serve's health check would. The ingress adds the replicas whose engine died inside a live
 actor (they answer every leg with `ReplicaUnavailable`). So a leg with no usable replica is refused with a 503 at
 once, instead of waiting in Serve's router until a replacement engine is up, which takes a minute or more.
 
 The same routers hold each replica's last load report plus the legs this process sent it since: `snapshot()` is
-what the mode policy decides on (app/mode_policy.py), the very loads the routers rank replicas by. A leg the policy
-has decided on but no replica has taken yet (its dispatch and the replica's answer take a few milliseconds) counts
-too, on every replica of its role, until one takes it: so a burst of requests decided within those milliseconds
+what the mode policy decides on (app/policy/mode_policy.py), the very loads the routers rank replicas by. A leg the
+policy has decided on but no replica has taken yet (its dispatch and the replica's answer take a few milliseconds)
+counts too, on every replica of its role, until one takes it: so a burst of requests decided within those milliseconds
 does not all see the same idle cluster and all go the same way.
 """
 
@@ -21,9 +21,9 @@ from typing import Mapping
 
 from ray.serve.handle import DeploymentHandle
 
-from app.load_view import LegsExpected, replica_load
-from app.mode_policy import ClusterSnapshot, ReplicaLoad
-from app import routing  # a module: each imports the other
+from app.flow import routing  # a module: each imports the other
+from app.policy.load_view import LegsExpected, replica_load
+from app.policy.mode_policy import ClusterSnapshot, ReplicaLoad
 
 # This process's router of each engine deployment, by (application, deployment), once its handle has been used.
 # Each router adds itself when Serve creates it.

@@ -36,7 +36,7 @@ class RequestLoad:
         self._prefilling: dict[str, int] = {}
         self._decoding: set[str] = set()
         # Every leg taken changes the report, even one that starts and ends between two reads of it: the router
-        # counts a leg it sent until a report newer than the leg arrives (app/routing.py), and Serve passes a
+        # counts a leg it sent until a report newer than the leg arrives (app/flow/routing.py), and Serve passes a
         # report on only when it changed.
         self._taken = 0
 

@@ -14,7 +14,7 @@ from collections import Counter, deque
 
 from ray.util import metrics
 
-from app.timeline import RequestTimeline
+from app.flow.timeline import RequestTimeline
 
 SECONDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 TOKEN_SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1]
@@ -25,7 +25,7 @@ def refusal_outcome(status: int) -> str:
     if status == 503:
         return "unavailable"  # a leg has no running replica
     if status == 429:
-        return "shed"  # turned away by the ingress's full queue (app/admission.py)
+        return "shed"  # turned away by the ingress's full queue (app/policy/admission.py)
     return "invalid" if status < 500 else "error"
 
 
@@ -34,7 +34,8 @@ class IngressMetrics:
         by_mode = ("mode",)
         by_mode_and_class = ("mode", "class")  # the service class (app/config.py): SLOs are per class
         self.phase_seconds = metrics.Histogram(
-            "pd_request_phase_seconds", description="Time a request spent in each phase (app/timeline.py), by mode.",
+            "pd_request_phase_seconds",
+            description="Time a request spent in each phase (app/flow/timeline.py), by mode.",
             boundaries=[0.001, 0.0025, 0.005, *SECONDS[1:]], tag_keys=("phase", "mode"))
         self.first_token_seconds = metrics.Histogram(
             "pd_time_to_first_token_seconds", description="From a request's arrival to its first token sent.",
@@ -47,8 +48,9 @@ class IngressMetrics:
             "pd_request_latency_seconds", description="From a request's arrival to its end, whatever the outcome.",
             boundaries=SECONDS, tag_keys=by_mode_and_class)
         self.requests = metrics.Counter(
-            "pd_requests", description="Requests by mode, outcome, the reason for their mode (app/mode_policy.py) and "
-            "service class (refused ones under mode, reason and class `none`).",
+            "pd_requests",
+            description="Requests by mode, outcome, the reason for their mode (app/policy/mode_policy.py) and service "
+            "class (refused ones under mode, reason and class `none`).",
             tag_keys=("mode", "outcome", "reason", "class"))
         self.in_flight_gauge = metrics.Gauge(
             "pd_requests_in_flight", description="Requests started and not yet ended, by mode.", tag_keys=by_mode)
@@ -56,7 +58,7 @@ class IngressMetrics:
         self.class_limit_gauge = metrics.Gauge(
             "pd_class_running_limit", description="How many requests of each service class an ingress replica runs "
             "at once now: its share of the slots, cut while more urgent requests miss their objectives "
-            "(app/admission.py).", tag_keys=("class",))
+            "(app/policy/admission.py).", tag_keys=("class",))
 
     def class_limits(self, limits: dict[str, int]) -> None:
         for pd_class, limit in limits.items():

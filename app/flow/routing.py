@@ -4,7 +4,7 @@ Each engine replica reports its engine's load (`EngineServer.record_routing_stat
 the engine, share of KV cache in use, prompt tokens queued, streams decoding) every `ROUTING_STATS_PERIOD_S`,
 stamped with when that load last changed (Serve's controller passes a report on to the routers only when it
 changed). The router adds the legs this process sent the replica since then (`load`), so that a burst is not ranked
-on a picture from before it; the ingress's mode policy reads the same loads (app/replica_view.py). The router ranks
+on a picture from before it; the ingress's mode policy reads the same loads (app/flow/replica_view.py). The router ranks
 replicas by what Serve cannot see itself: requests waiting inside the engine plus streams it is decoding first (a
 new leg waits behind the former and, on a decode engine, its prompt or KV admission stalls the latter; the mode
 policy picks the decode replica it binds in the same order), then KV cache in use, in tenths. Among replicas of
@@ -14,16 +14,16 @@ replica that has not reported yet (just started) ranks as idle.
 Every leg is routed when it is dispatched, so the modes bind as they should:
 - pull: the prefill replica on arrival; the decode replica only once prefill is done, by decode's load then;
 - push: both on arrival; the decode leg registers with the prefill replica that took the prefill leg (its first
-  answer is that replica's transfer identity, app/request_flow.py);
+  answer is that replica's transfer identity, app/flow/request_flow.py);
 - local: the decode replica on arrival.
 
 The router of each engine deployment lives in the process that holds the handle (the ingress), one per deployment
-there. It is also that process's freshest view of which replicas can take a leg (app/replica_view.py): Serve gives it
-the replicas its controller lists as running, and tells it the moment a call to one finds its actor dead; the
+there. It is also that process's freshest view of which replicas can take a leg (app/flow/replica_view.py): Serve gives
+it the replicas its controller lists as running, and tells it the moment a call to one finds its actor dead; the
 ingress adds the replicas whose engine it saw die inside a live actor. The router passes over both until Serve's
 controller stops listing them.
 
-The load arithmetic and the ranking are app/load_view.py's, which the simulator runs too.
+The load arithmetic and the ranking are app/policy/load_view.py's, which the simulator runs too.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from app.load_view import LegsSent, load_rank
+from app.policy.load_view import LegsSent, load_rank
 
 # A module, not a name from it: Serve pickles this module by value into every process that routes, so a registry
 # defined here would be a private copy there, never the one the ingress reads.
-from app import replica_view
+from app.flow import replica_view
 
 
 class EngineLoadRouter(FIFOMixin, RequestRouter):

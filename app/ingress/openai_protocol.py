@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from vllm import SamplingParams
 
-from app.engine_protocol import EngineChunk
+from app.engine.protocol import EngineChunk
 
 logger = logging.getLogger("ray.serve")
 

@@ -17,8 +17,8 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
 from app.config import EngineConfig, cpu_set, hold_process_to
-from app.engine_protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult, ReplicaUnavailable
-from app.engine_stats import EngineStatsRecorder, RequestLoad
+from app.engine.protocol import EngineChunk, EngineRequest, LegAccepted, PrefillResult, ReplicaUnavailable
+from app.engine.stats import EngineStatsRecorder, RequestLoad
 from app.tiny_model import resolve_model_source
 from kv.config import TransferConfig
 from kv.engine_identity import claim_identity
@@ -79,15 +79,17 @@ class EngineServer:
                 "pp_size": parallel.pipeline_parallel_size}
 
     def load(self) -> dict:
-        """The engine's load, stamped with when it last changed (the ingress adds what it sent since, app/routing.py).
-        An idle engine's report stays the same, so Serve's controller does not pass it on to every router."""
+        """The engine's load, stamped with when it last changed (the ingress adds what it sent since,
+        app/flow/routing.py). An idle engine's report stays the same, so Serve's controller does not pass it on to
+        every router."""
         load = {**self.stats.load(), **self.requests.load()}
         if load != self._last_load[0]:
             self._last_load = (load, time.time())
         return {**load, "at": self._last_load[1]}
 
     def record_routing_stats(self) -> dict:
-        """What Serve's request router ranks this replica by, and the ingress's mode policy reads (app/routing.py)."""
+        """What Serve's request router ranks this replica by, and the ingress's mode policy reads
+        (app/flow/routing.py)."""
         return self.load()
 
     def transfer_totals(self) -> dict:
