@@ -48,18 +48,17 @@ def test_costs_match_the_model_by_hand():
     busy = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=3000)],
                    decode=[ReplicaLoad("d0", decoding=4, queued_prefill_tokens=1000)])
     costs = policy().costs(request(2000), busy)
-    # local: hop 1 ms + (1,000 queued + 2,000) x 1 us; each of decode's 4 streams waits out the step that computes
-    # the queued prompt and this one, 3 ms
-    assert costs["local"].ttft_s == pytest.approx(0.004) and costs["local"].stall_s == pytest.approx(0.003)
+    # local: hop 1 ms + (1,000 queued + 2,000) x 1 us; each of decode's 4 streams waits out the 2 ms prefill
+    assert costs["local"].ttft_s == pytest.approx(0.004) and costs["local"].stall_s == pytest.approx(0.002)
     # pull: hop 2 ms + (3,000 queued + 2,000) x 1 us; admitting the KV holds decode's streams one 5 ms step, and,
     # seeded, its own second token waits for the hand-off (10 ms): the longest gap is 10 ms
     assert costs["pull"].ttft_s == pytest.approx(0.007) and costs["pull"].stall_s == pytest.approx(0.010)
     assert costs["push"].ttft_s == pytest.approx(0.008) and costs["push"].stall_s == pytest.approx(0.010)
     assert costs["pull"].score == pytest.approx(0.017)
-    assert costs["local"].score == pytest.approx(0.004 + 4 * 0.003)  # the stall counts once for each stream it holds
+    assert costs["local"].score == pytest.approx(0.004 + 4 * 0.002)  # the stall counts once for each stream it holds
     unseeded = policy().costs(request(2000, seeded=False), busy)["pull"]  # the first token waits for the KV
     one_token = policy().costs(RequestFeatures(prompt_tokens=2000, max_tokens=1), busy)  # prefill answers alone
-    assert one_token["pull"].stall_s == 0 and one_token["local"].stall_s == pytest.approx(0.003)
+    assert one_token["pull"].stall_s == 0 and one_token["local"].stall_s == pytest.approx(0.002)
     assert unseeded.ttft_s == pytest.approx(0.007 + 0.010 + 0.005) and unseeded.stall_s == pytest.approx(0.005)
 
 
@@ -199,19 +198,25 @@ def test_a_decode_engine_that_prefills_in_chunks_holds_its_streams_one_chunk():
     assert idle.stall_s == 0  # no stream to hold
 
 
-def test_a_local_prefill_stalls_streams_for_the_prompts_queued_before_it_up_to_a_steps_budget():
-    """A decode engine computes the prompts queued on it together, as many tokens a step as its budget takes: a
-    stream's gap is that whole step's. Two 1,500-token prompts already queued make a 2,000-token prompt's step 5 ms
-    long, and so does a queue of 20,000 behind a 5,000-token budget; an idle queue leaves it the prompt's own 2 ms."""
-    def local_stall(queued: int, **config) -> float:
-        busy = cluster(decode=[ReplicaLoad("d0", decoding=4, queued_prefill_tokens=queued)])
-        return policy(**config).costs(request(2000), busy)["local"].stall_s
+def test_local_is_not_taken_where_its_step_would_outlast_the_tightest_inter_token_objective():
+    """A decode engine computes a local prompt in one step with the prompts queued before it, as many tokens as its
+    budget takes, and every stream there waits out that step. Local is cheapest for this 2,000-token prompt (4 ms
+    and 4 x 2 ms of stall, against pull's 17 ms), so it is taken while that step fits in 3 ms -- and not behind
+    1,500 queued tokens (a 3.5 ms step); nor behind 20,000 where the budget is 5,000 tokens (5 ms), though a 256
+    token chunk behind 1,000 (1.3 ms) fits. With no stream decoding there is nothing to hold."""
+    def mode(queued: int, decoding: int = 4, **config) -> str:
+        busy = cluster(decode=[ReplicaLoad("d0", decoding=decoding, queued_prefill_tokens=queued)])
+        return policy(stall_limit_s=0.003, **config).decide(request(2000), busy).mode
 
-    assert local_stall(0) == pytest.approx(0.002)
-    assert local_stall(3000) == pytest.approx(0.005)
-    assert local_stall(20_000, decode_step_tokens=5000) == pytest.approx(0.005)
-    assert local_stall(20_000, decode_chunk_tokens=256, decode_step_tokens=5000) == pytest.approx(0.005)
-    assert local_stall(1000, decode_chunk_tokens=256, decode_step_tokens=5000) == pytest.approx(0.001256)
+    assert mode(0) == "local" and mode(1000) == "local"
+    assert mode(1500) == "pull"
+    assert mode(20_000, decode_step_tokens=5000) == "pull"
+    assert mode(1000, decode_chunk_tokens=256, decode_step_tokens=5000) == "local"
+    assert mode(1500, decoding=0) == "local"
+    # and with no prefill replica up, local is served whatever it holds
+    alone = policy(stall_limit_s=0.003).decide(request(2000), cluster(
+        prefill=[], decode=[ReplicaLoad("d0", decoding=4, queued_prefill_tokens=20_000)]))
+    assert (alone.mode, alone.reason) == ("local", PREFILL_UNAVAILABLE)
 
 
 def test_only_healthy_replicas_count():
