@@ -281,9 +281,14 @@ def test_past_the_ingress_and_its_queue_serve_answers_503_with_retry_after(app):
     refused by Serve at once, saying when to come back."""
     ingress = {"slots": 1, "deployment_config": {"max_ongoing_requests": 1, "max_queued_requests": 1}}
     with _ingress(app, "one-held", ingress) as url, concurrent.futures.ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda i: _batch_stream(url, _prompt(i * 13 % 7)), range(4)))
+        # The held request first: sent together, Serve counts each one queued until its router assigns it, and may
+        # refuse all but one.
+        held = pool.submit(_batch_stream, url, _prompt(0), max_tokens=600)  # 4 s or more here
+        time.sleep(1.0)
+        others = [pool.submit(_batch_stream, url, _prompt(i)) for i in range(1, 4)]
+        answers = [f.result() for f in (held, *others)]
     codes = sorted(r.status_code for r, _, _ in answers)
-    assert codes.count(200) >= 2 and 503 in codes, codes
+    assert answers[0][0].status_code == 200 and codes.count(200) >= 2 and 503 in codes, codes
     assert all(r.headers.get("retry-after") == "1" for r, _, _ in answers if r.status_code == 503)
 
 
