@@ -254,7 +254,8 @@ class RequestFlow:
         finally:
             leg.cancel()
 
-    async def _pull(self, request: EngineRequest, seeded: bool, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
+    async def _pull(self, request: EngineRequest, seeded: bool,
+                    timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
         """Prefill first; the decode replica is chosen only once prefill is done (late binding), then it READs.
         Seeded: the first token goes out as soon as prefill answers, and decode's prompt ends with it."""
         prefill = self._dispatch_prefill(request, seeded, timeline, ("pull", new_transfer_id()))
@@ -279,7 +280,8 @@ class RequestFlow:
         leg whose replica fails before it sent a token goes to another decode replica, which READs it afresh."""
         return self._retried(lambda: self._decode(self._dispatch_decode(request, timeline), timeline), timeline)
 
-    async def _push(self, request: EngineRequest, seeded: bool, timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
+    async def _push(self, request: EngineRequest, seeded: bool,
+                    timeline: RequestTimeline) -> AsyncIterator[EngineChunk]:
         """Both legs at once: as soon as the prefill replica is known, decode allocates blocks and registers them
         with it under a fresh transfer id, while prefill computes; prefill WRITEs the KV the moment it finishes.
         Seeded: prefill's token goes out as soon as prefill answers, and decode's copy of it is dropped."""

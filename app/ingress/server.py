@@ -147,7 +147,8 @@ class OpenAIIngress:
 
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        card = {"id": self.model_id, "object": "model", "owned_by": "pd-serve", "max_model_len": await self.max_model_len()}
+        card = {"id": self.model_id, "object": "model", "owned_by": "pd-serve",
+                "max_model_len": await self.max_model_len()}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> JSONResponse:
@@ -283,9 +284,9 @@ class OpenAIIngress:
         return requested or room
 
     def _requested(self, requested: str | None) -> str | None:
-        """The client's mode or policy (None: the configured one), if the legs it needs for sure have a replica that can take it
-        (else a 503 at once, before anything that needs an engine: queued in Serve's router, the request would wait
-        for a replacement replica, which takes a minute to start)."""
+        """The client's mode or policy (None: the configured one), if the legs it needs for sure have a replica that
+        can take it (else a 503 at once, before anything that needs an engine: queued in Serve's router, the request
+        would wait for a replacement replica, which takes a minute to start)."""
         try:
             mode = self.flow.requested_mode(requested)
         except UnsupportedMode as e:
