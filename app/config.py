@@ -116,13 +116,6 @@ class EngineConfig(StrictModel):
         return min(limits, default=None)
 
     @property
-    def step_tokens(self) -> int | None:
-        """The most tokens this engine computes in one step, all its requests together (vLLM's
-        `max_num_batched_tokens`); None: not set here, the engine's own default."""
-        limit = self.engine_kwargs.get("max_num_batched_tokens")
-        return int(limit) if limit else None
-
-    @property
     def world_size(self) -> int:
         """vLLM workers per engine: one per GPU."""
         return (int(self.engine_kwargs.get("tensor_parallel_size", 1))

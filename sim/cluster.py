@@ -29,7 +29,7 @@ from app.policy.load_view import LegsExpected, LegsSent, load_rank, replica_load
 from app.policy.mode_policy import (
     ClusterSnapshot, Decision, ModePolicy, Observation, PolicyConfig, ReplicaLoad, RequestFeatures,
 )
-from app.policy.service_class import ServiceClass, tightest_tpot_s
+from app.policy.service_class import ServiceClass
 from sim.clock import Clock
 from sim.engine import EngineModel, SimRequest
 from sim.profile import Profile
@@ -91,10 +91,8 @@ class SimApp:
         self.by_name = {r.name: r for role in self.replicas.values() for r in role}
         self.sent = {role: LegsSent() for role in self.replicas}
         self.expected = {role: LegsExpected() for role in self.replicas}
-        # The decode engines' limits and the classes' tightest objective, as the app reads them from its configuration
-        self.policy = ModePolicy(replace(policy, decode_chunk_tokens=profile.decode.chunk_tokens,
-                                         decode_step_tokens=profile.decode.max_num_batched_tokens,
-                                         stall_limit_s=tightest_tpot_s(classes)))
+        # The decode engines' chunk, as the app reads it from its engines' configuration
+        self.policy = ModePolicy(replace(policy, decode_chunk_tokens=profile.decode.chunk_tokens))
         # As many as the decode engines run at once (app/config.py ingress_slots), in one ingress, and as many
         # waiting in its queue
         self.slots = slots or decode_replicas * profile.decode.max_num_seqs

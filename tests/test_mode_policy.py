@@ -198,27 +198,6 @@ def test_a_decode_engine_that_prefills_in_chunks_holds_its_streams_one_chunk():
     assert idle.stall_s == 0  # no stream to hold
 
 
-def test_local_is_not_taken_where_its_step_would_outlast_the_tightest_inter_token_objective():
-    """A decode engine computes a local prompt in one step with the prompts queued before it, as many tokens as its
-    budget takes, and every stream there waits out that step. Local is cheapest for this 2,000-token prompt (4 ms
-    and 4 x 2 ms of stall, against pull's 17 ms), so it is taken while that step fits in 3 ms -- and not behind
-    1,500 queued tokens (a 3.5 ms step); nor behind 20,000 where the budget is 5,000 tokens (5 ms), though a 256
-    token chunk behind 1,000 (1.3 ms) fits. With no stream decoding there is nothing to hold."""
-    def mode(queued: int, decoding: int = 4, **config) -> str:
-        busy = cluster(decode=[ReplicaLoad("d0", decoding=decoding, queued_prefill_tokens=queued)])
-        return policy(stall_limit_s=0.003, **config).decide(request(2000), busy).mode
-
-    assert mode(0) == "local" and mode(1000) == "local"
-    assert mode(1500) == "pull"
-    assert mode(20_000, decode_step_tokens=5000) == "pull"
-    assert mode(1000, decode_chunk_tokens=256, decode_step_tokens=5000) == "local"
-    assert mode(1500, decoding=0) == "local"
-    # and with no prefill replica up, local is served whatever it holds
-    alone = policy(stall_limit_s=0.003).decide(request(2000), cluster(
-        prefill=[], decode=[ReplicaLoad("d0", decoding=4, queued_prefill_tokens=20_000)]))
-    assert (alone.mode, alone.reason) == ("local", PREFILL_UNAVAILABLE)
-
-
 def test_only_healthy_replicas_count():
     decision = policy().decide(request(20_000), cluster(
         decode=[ReplicaLoad("d0", decoding=0, healthy=False), ReplicaLoad("d1", decoding=16)]))

@@ -39,7 +39,6 @@ from app.ingress.openai_protocol import (
 )
 from app.policy.admission import SHED, WAITING, ClassAdmission, Ticket
 from app.policy.mode_policy import Decision, ModePolicy, Observation, PolicyConfig, RequestFeatures
-from app.policy.service_class import tightest_tpot_s
 from app.tiny_model import resolve_model_source
 from kv.config import POLICIES, TransferMode
 
@@ -112,7 +111,6 @@ class OpenAIIngress:
         self.policy = ModePolicy(PolicyConfig(
             policy=config.transfer.default_mode, modes=config.transfer.modes, priors=config.ingress.mode_policy,
             rule=config.ingress.threshold_rule, decode_chunk_tokens=config.decode.prefill_chunk_tokens,
-            decode_step_tokens=config.decode.step_tokens, stall_limit_s=tightest_tpot_s(self.classes),
             ttft_weight={name: c.ttft_weight for name, c in self.classes.items()}))
         self.engines = {"prefill": prefill, "decode": decode}
         # The ingress tokenizes once, so both legs see exactly the same prompt tokens.

@@ -17,11 +17,8 @@ The option with the lowest `ttft_weight(class) * ttft + stall_weight * stall * h
 waiting, where `held` is how many streams wait out the stall. A local prefill's falls on every stream decoding on
 its replica -- its compute is in each of their steps; a hand-off's is counted once: its admission is one more row in
 a step those streams take anyway, and its own second token is one stream.
-Two options are taken only where they hold little. Push binds a decode slot and blocks at arrival: not while
-prefill's queue would keep them idle. A local prefill is computed in one step with the prompts queued before it on
-that decode engine, up to the step's budget (`decode_step_tokens`): not where that step would outlast the tightest
-inter-token objective (`stall_limit_s`) -- the seconds it adds are a sum, but a stream that misses its objective is
-lost whole.
+Push is taken only where it holds little: it binds a decode slot and blocks at arrival, so not while prefill's
+queue would keep them idle.
 
 The `threshold` policy is the fixed rule instead (`ThresholdRule`): local for a short prompt or while every prefill
 engine is backed up, else the rule's remote mode. It learns nothing and reads only prefill's queue.
@@ -285,10 +282,6 @@ class PolicyConfig:
     priors: CostPriors = CostPriors()
     rule: ThresholdRule = ThresholdRule()
     decode_chunk_tokens: int | None = None  # the most prompt tokens a decode engine computes for one request a step
-    decode_step_tokens: int | None = None  # the most tokens a decode engine computes in one step, all requests together
-    # The longest step a local prefill may make decode's streams wait (the tightest inter-token objective of the
-    # service classes); None: no limit
-    stall_limit_s: float | None = None
     # Per service class: its own TTFT's weight against the stall it imposes (a class not named weighs 1).
     ttft_weight: Mapping[str, float] = field(default_factory=lambda: {"interactive": 1.0, "batch": 0.25})
 
@@ -331,8 +324,7 @@ class ModePolicy:
 
     def _auto(self, request: RequestFeatures, best: _BestReplicas) -> Decision:
         costs = self._costs(request, best)
-        options = [mode for mode in costs if (mode != "push" or self._push_holds_little(request, best))
-                   and (mode != "local" or self._local_keeps_pace(request, best))] or list(costs)
+        options = [mode for mode in costs if mode != "push" or self._push_holds_little(request, best)]
         cheapest = min(options, key=lambda m: costs[m].score)
         self._since_explore += 1
         if self._since_explore >= self.config.priors.explore_every:
@@ -353,16 +345,6 @@ class ModePolicy:
         drain = self.model.queue_s_per_token("prefill", load_level(best.streams("push")))
         return (request.push_capable and best.decode.kv_cache_usage <= priors.push_kv_limit
                 and best.queued("push") * drain <= priors.push_queue_limit_s)
-
-    def _local_keeps_pace(self, request: RequestFeatures, best: _BestReplicas) -> bool:
-        """A local prefill is computed in a step of the decode replica's streams, with the prompts queued there
-        before it, as many tokens as the step's budget takes: only while that step stays within `stall_limit_s`."""
-        limit, decode = self.config.stall_limit_s, best.decode
-        if limit is None or not decode.decoding:
-            return True
-        tokens = decode.queued_prefill_tokens + self._local_chunk(request.prompt_tokens)
-        step = min(tokens, self.config.decode_step_tokens or tokens)
-        return self.model.prefill("decode", load_level(decode.decoding))(step) <= limit
 
     def _local_chunk(self, prompt_tokens: int) -> int:
         """The most of the prompt a decode engine computes in one step."""

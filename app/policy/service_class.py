@@ -4,8 +4,6 @@ definition the app's config does."""
 
 from __future__ import annotations
 
-from typing import Mapping
-
 from pydantic import Field
 
 from kv.config import StrictModel
@@ -34,11 +32,6 @@ class ServiceClass(StrictModel):
         """Whether a request met this class's objectives: its time to first token and, if it had more than one
         token, its mean time per token after the first."""
         return ttft_s * 1e3 <= self.ttft_slo_ms and (tpot_s is None or tpot_s * 1e3 <= self.tpot_slo_ms)
-
-
-def tightest_tpot_s(classes: Mapping[str, ServiceClass]) -> float:
-    """The shortest time per output token any class is promised, in seconds."""
-    return min(c.tpot_slo_ms for c in classes.values()) / 1e3
 
 
 def default_classes() -> dict[str, ServiceClass]:
