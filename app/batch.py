@@ -24,16 +24,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from app.ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validated
-
-ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+from app.ingress.openai_protocol import REQUEST_MODELS, APIError, validated
 # A request turned away by the ingress's full queue (429) is retried after the app's Retry-After, for up to
 # this long: batch work waits for interactive traffic rather than failing.
 DEFER_FOR_S = 600
 
 
-def parse_line(number: int, line: str) -> tuple[str, Any, str | None]:
-    """(custom_id, request model, mode) of one input line; APIError 400 if it is not a valid request."""
+def parse_line(number: int, line: str) -> tuple[str, dict[str, Any], str | None]:
+    """(custom_id, request body, mode) of one input line; APIError 400 if it is not a valid request."""
     try:
         item = json.loads(line)
     except ValueError as e:
@@ -41,10 +39,11 @@ def parse_line(number: int, line: str) -> tuple[str, Any, str | None]:
     if not isinstance(item, dict) or not isinstance(item.get("body"), dict):
         raise APIError(400, f"line {number} needs a JSON object with a `body` object")
     url = item.get("url", "/v1/chat/completions" if "messages" in item["body"] else "/v1/completions")
-    if url not in ENDPOINTS:
-        raise APIError(400, f"line {number}: url must be one of {sorted(ENDPOINTS)}", param="url")
-    body = {**item["body"], "stream_options": {"include_usage": True}}
-    return str(item.get("custom_id", number)), validated(ENDPOINTS[url], body), item.get("kv_transfer_mode")
+    if url not in REQUEST_MODELS:
+        raise APIError(400, f"line {number}: url must be one of {sorted(REQUEST_MODELS)}", param="url")
+    body = {**item["body"], "stream": True, "stream_options": {"include_usage": True}}  # sent with create_stream
+    validated(body, chat=url == "/v1/chat/completions")  # a bad line fails the job before anything is sent
+    return str(item.get("custom_id", number)), body, item.get("kv_transfer_mode")
 
 
 async def run_request(handle, custom_id: str, request, mode: str, pd_class: str) -> dict[str, Any]:
@@ -96,7 +95,7 @@ async def run_batch(handle, lines: list[str], default_mode: str, concurrency: in
             return {"custom_id": str(number), "status": e.status, "error": e.body()["error"]}
         async with gate:
             return await run_request(handle, custom_id, request, mode or default_mode,
-                                     request.pd_class or default_class)
+                                     request.get("pd_class") or default_class)
 
     results = []
     with output.open("w") as out, tqdm(total=len(lines), desc="requests", file=sys.stderr) as progress:

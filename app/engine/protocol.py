@@ -51,6 +51,7 @@ class EngineChunk:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token that ended it (vLLM's CompletionOutput's)
     # Prompt tokens the engine did not compute itself (with prefix caching off: tokens that arrived by transfer).
     num_cached_tokens: int = 0
     # First chunk only: when the engine queued, scheduled and produced the request's first token (wall clock, s).

@@ -154,8 +154,8 @@ def engine_chunk(output) -> EngineChunk:
     # The step that made the chunk's last token (several steps' tokens merge when the replica reads late).
     made = output.metrics.last_token_ts + _to_wall() if output.metrics is not None else 0.0
     return EngineChunk(text=completion.text, token_ids=list(completion.token_ids),
-                       finish_reason=completion.finish_reason, num_cached_tokens=output.num_cached_tokens or 0,
-                       made_at=made)
+                       finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                       num_cached_tokens=output.num_cached_tokens or 0, made_at=made)
 
 
 class PrefillServer(EngineServer):

@@ -12,7 +12,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -20,26 +20,21 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from transformers import AutoTokenizer
+from vllm import SamplingParams
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.exceptions import VLLMValidationError
 
 from app.config import PDAppConfig, cpu_set, hold_process_to
 from app.engine.protocol import EngineChunk, EngineRequest
 from app.flow.first_token import can_seed
 from app.flow.request_flow import LegUnavailable, RequestFlow, UnsupportedMode
 from app.flow.timeline import RequestTimeline
+from app.ingress.engine_client import served_by
 from app.ingress.metrics import EventLoopLag, IngressMetrics
-from app.ingress.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ResponseWriter,
-    SamplingFields,
-    as_request,
-    validated,
-)
+from app.ingress.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validated
+from app.ingress.serving import build_serving
 from app.policy.admission import SHED, WAITING, ClassAdmission, Ticket
 from app.policy.mode_policy import Decision, ModePolicy, Observation, PolicyConfig, RequestFeatures
-from app.tiny_model import resolve_model_source
 from kv.config import POLICIES, TransferMode
 
 logger = logging.getLogger("ray.serve")
@@ -75,7 +70,7 @@ def _refuse_constant(name: str) -> None:
     raise APIError(400, f"request body is not valid JSON: {name} is not a number")
 
 
-async def _parse(request: Request, model: type[SamplingFields], limit: int) -> SamplingFields:
+async def _parse_object(request: Request, limit: int) -> dict:
     body = await _read_body(request, limit)
     try:
         raw = json.loads(body, parse_constant=_refuse_constant)
@@ -85,7 +80,7 @@ async def _parse(request: Request, model: type[SamplingFields], limit: int) -> S
         raise APIError(400, f"request body is not valid JSON: {e}") from e
     if not isinstance(raw, dict):
         raise APIError(400, "request body must be a JSON object")
-    return validated(model, raw)
+    return raw
 
 
 def _sse(body: dict) -> str:
@@ -113,15 +108,13 @@ class OpenAIIngress:
             rule=config.ingress.threshold_rule, decode_chunk_tokens=config.decode.prefill_chunk_tokens,
             ttft_weight={name: c.ttft_weight for name, c in self.classes.items()}))
         self.engines = {"prefill": prefill, "decode": decode}
-        # The ingress tokenizes once, so both legs see exactly the same prompt tokens.
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model_source(config.decode.model_loading_config.model_source)
-        )
-        self._max_model_len: int | None = None
-        # No token spans more characters than the longest vocabulary entry, so a prompt longer than the context
-        # times that cannot fit, and is refused before anyone spends time tokenizing it.
-        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
         self.metrics = IngressMetrics()
+        # The ingress renders and tokenizes once (vLLM's renderer), so both legs see exactly the same prompt tokens.
+        self.serving = build_serving(self.model_id, config.decode)
+        model_config = self.serving.client.model_config
+        self.vocab_size, self.max_model_len = model_config.get_vocab_size(), model_config.max_model_len
+        vocab = self.serving.client.renderer.tokenizer.get_vocab()
+        self.max_prompt_chars = self.max_model_len * max(map(len, vocab))
         self.loop_lag = EventLoopLag(busy=lambda: self.metrics.in_flight > 0)
 
     def __serve_build_asgi_app__(self) -> Starlette:
@@ -136,18 +129,11 @@ class OpenAIIngress:
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    async def max_model_len(self) -> int:
-        if self._max_model_len is None:
-            self._max_model_len = (await self.engines["decode"].engine_info.remote())["max_model_len"]
-        return self._max_model_len
-
     # -- routes --------------------------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        card = {"id": self.model_id, "object": "model", "owned_by": "pd-serve",
-                "max_model_len": await self.max_model_len()}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse((await self.serving.models.show_available_models()).model_dump())
 
     async def health(self, request: Request) -> JSONResponse:
         """Ready when both engine deployments answer; Serve itself restarts replicas that fail their health checks."""
@@ -165,23 +151,56 @@ class OpenAIIngress:
         return JSONResponse({"status": "ok", "load": loads, "replicas": replicas})
 
     async def completions(self, request: Request) -> Response:
-        return await self._http(request, CompletionRequest)
+        return await self._served(request, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._http(request, ChatCompletionRequest)
+        return await self._served(request, chat=True)
 
-    async def _http(self, request: Request, model: type[SamplingFields]) -> Response:
-        timeline = RequestTimeline()
+    async def _served(self, request: Request, chat: bool) -> Response:
         with self._counting_refusals():
             self._authorize(request)
-            body = await _parse(request, model, self.max_request_bytes)
-            report_timings = request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true")
-            admitted = await self._admit(body, request.headers.get(MODE_HEADER), report_timings, timeline,
-                                         request.headers.get(STREAM_INTERVAL_HEADER), request.headers.get(CLASS_HEADER))
-        headers = {MODE_HEADER: admitted.mode, REASON_HEADER: admitted.decision.reason, CLASS_HEADER: admitted.pd_class}
-        if body.stream:
-            return StreamingResponse(self._sse(admitted), media_type="text/event-stream", headers=headers)
-        return JSONResponse(await self._whole(admitted), headers=headers)
+            raw = await _parse_object(request, self.max_request_bytes)
+        headers = request.headers
+        legs, answer = await self._serve(raw, chat, headers.get(MODE_HEADER), headers.get(CLASS_HEADER),
+                                         headers.get(STREAM_INTERVAL_HEADER),
+                                         headers.get(TIMINGS_HEADER, "").lower() in ("1", "true"))
+        if isinstance(answer, dict):
+            return JSONResponse(answer, headers=legs.headers())
+        return StreamingResponse(answer, media_type="text/event-stream", headers=legs.headers())
+
+    async def _serve(self, raw: dict, chat: bool, mode: str | None, pd_class: str | None,
+                     stream_interval: str | float | None, report_timings: bool
+                     ) -> tuple[PromptLegs, dict | AsyncIterator[str]]:
+        """The request answered by vLLM's own serving code over the legs (app/ingress/serving.py): its body read
+        as vLLM's request model, its response built by vLLM -- the whole body, or the stream's events. A refusal
+        by the ingress (its queue, a replica down, the mode or class asked for) raises APIError with its status:
+        a stream is handed back only once its first event is known."""
+        with self._counting_refusals():
+            self._check_text_can_fit(raw.get("messages") if chat else raw.get("prompt"))
+            body = validated(raw, chat)
+            legs = PromptLegs(self, self._requested(mode), self._service_class(pd_class, raw.get("pd_class")),
+                              self._stream_interval_s(stream_interval), report_timings, RequestTimeline())
+            serving = self.serving.chat.create_chat_completion if chat else self.serving.completion.create_completion
+            with served_by(legs):
+                try:
+                    result = await serving(body, None)
+                except VLLMValidationError as e:  # vLLM's checks on the sampling parameters it derives
+                    raise APIError(400, e.args[0], param=e.parameter) from e
+                except (ValueError, TypeError) as e:  # what vLLM's preprocessing could not take, as its server says
+                    raise APIError(400, str(e)) from e
+            if legs.refusal is not None:
+                raise legs.refusal
+            if isinstance(result, ErrorResponse):
+                error = result.error
+                raise APIError(error.code, error.message,
+                               "invalid_request_error" if error.code < 500 else "server_error", error.param)
+            if not body.stream:
+                return legs, {**result.model_dump(), **legs.timings()}
+            first = await anext(result)
+            if legs.refusal is not None:
+                await result.aclose()
+                raise legs.refusal
+            return legs, _with_timings(first, result, legs)
 
     # -- Python handle API: for other Serve apps and Ray tasks (`serve.get_app_handle(...)`; README) ---------------
 
@@ -198,37 +217,38 @@ class OpenAIIngress:
         """The service classes a request may name, with their SLOs and priorities, and the default one."""
         return {"classes": {name: c.model_dump() for name, c in self.classes.items()}, "default": self.default_class}
 
-    async def create(self, request: CompletionRequest | ChatCompletionRequest | dict, mode: str | None = None,
+    async def create(self, request: dict | CompletionRequest | ChatCompletionRequest, mode: str | None = None,
                      timings: bool = False, pd_class: str | None = None) -> dict:
-        """The response body `POST /v1/completions` or `/v1/chat/completions` would return, for a request model or
-        its dict (a dict with `messages` is a chat request). `mode` picks the transfer mode as the
-        `x-kv-transfer-mode` header does, `pd_class` the service class as `x-pd-class` does. Errors raise APIError,
-        with the status HTTP would answer."""
-        timeline = RequestTimeline()
-        with self._counting_refusals():
-            body = as_request(request)
-            if body.stream:
-                raise APIError(400, "stream is true: call create_stream with handle.options(stream=True)",
-                               param="stream")
-            admitted = await self._admit(body, mode, timings, timeline, pd_class=pd_class)
-        return await self._whole(admitted)
+        """The response body `POST /v1/completions` or `/v1/chat/completions` would return, for its request body or
+        vLLM's request model (a body with `messages` is a chat request). `mode` picks the transfer mode as the
+        `x-kv-transfer-mode` header does, `pd_class` the service class as `x-pd-class` does. Errors raise
+        APIError, with the status HTTP would answer."""
+        request = _as_body(request)
+        if request.get("stream"):
+            raise APIError(400, "stream is true: call create_stream with handle.options(stream=True)",
+                           param="stream")
+        _, answer = await self._serve(request, "messages" in request, mode, pd_class, None, timings)
+        return answer
 
-    async def create_stream(self, request: CompletionRequest | ChatCompletionRequest | dict, mode: str | None = None,
+    async def create_stream(self, request: dict | CompletionRequest | ChatCompletionRequest, mode: str | None = None,
                             timings: bool = False, stream_interval_ms: float | None = None,
                             pd_class: str | None = None) -> AsyncIterator[dict]:
         """The chunk bodies HTTP would stream (without the `data:` framing and `[DONE]`), through
         `handle.options(stream=True)`. A failure after the first chunk raises APIError from the stream. Cancelling
         the call aborts the request's legs. `stream_interval_ms` is the `x-pd-stream-interval-ms` header's,
         `pd_class` the `x-pd-class` header's."""
-        timeline = RequestTimeline()
-        with self._counting_refusals():
-            admitted = await self._admit(as_request(request), mode, timings, timeline, stream_interval_ms, pd_class)
-        async for body in self._stream(admitted):
-            yield body
-
-    def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        body = {**_as_body(request), "stream": True}
+        _, events = await self._serve(body, "messages" in body, mode, pd_class, stream_interval_ms, timings)
+        async for event in events:
+            data = event.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                error = chunk["error"]
+                raise APIError(error.get("code") or 500, error["message"], error.get("type", "server_error"),
+                               error.get("param"))
+            yield chunk
 
     # -- shared ----------------------------------------------------------------------------------------------------
 
@@ -249,37 +269,22 @@ class OpenAIIngress:
             raise APIError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
                            code="invalid_api_key")
 
-    async def _check_text_can_fit(self, num_chars: int) -> None:
-        limit = await self.max_model_len()
-        if num_chars > limit * self.max_token_chars:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens; a prompt of {num_chars} "
-                           "characters cannot fit in it.", param="prompt", code="context_length_exceeded")
+    def _check_text_can_fit(self, prompt: Any) -> None:
+        """No token spans more characters than the longest vocabulary entry, so a prompt of more characters than the
+        context times that cannot fit: refused before anyone spends time tokenizing it (its JSON text counts,
+        which is never shorter than the prompt)."""
+        if prompt is None or isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return
+        if len(json.dumps(prompt, ensure_ascii=False)) > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                           "cannot fit in it.", param="messages" if isinstance(prompt, list) else "prompt",
+                           code="context_length_exceeded")
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_id:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_id}`.",
-                           param="model", code="model_not_found")
-
-    def _checked_token_ids(self, token_ids: list[int]) -> list[int]:
-        vocab = len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
-        return token_ids
-
-    async def _checked_max_tokens(self, body: SamplingFields, num_prompt_tokens: int) -> int:
-        limit = await self.max_model_len()
-        requested = body.requested_max_tokens()
-        room = limit - num_prompt_tokens
-        if room < 1 or (requested is not None and requested > room):
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt_tokens + (requested or 1)} tokens ({num_prompt_tokens} in the prompt, "
-                f"{requested or 1} for the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens" if room >= 1 else "prompt",
-                code="context_length_exceeded",
-            )
-        return requested or room
+    def _check_vocabulary(self, prompt_ids: list[int]) -> None:
+        """What vLLM's engine checks of a prompt before it takes it (its input processor), checked here: the legs
+        hand the engines token ids."""
+        if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab_size:
+            raise APIError(400, f"prompt token ids must lie in [0, {self.vocab_size})", param="prompt")
 
     def _requested(self, requested: str | None) -> str | None:
         """The client's mode or policy (None: the configured one), if the legs it needs for sure have a replica that
@@ -322,16 +327,6 @@ class OpenAIIngress:
         if seen is not None:
             self.policy.model.observe(seen)
 
-    async def _prompt_ids(self, body: SamplingFields) -> list[int]:
-        if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            await self._check_text_can_fit(sum(len(m["content"]) for m in messages))
-            return await asyncio.to_thread(self._chat_prompt, messages)  # off the event loop
-        if isinstance(body.prompt, str):
-            await self._check_text_can_fit(len(body.prompt))
-            return await asyncio.to_thread(self.tokenizer.encode, body.prompt)  # off the event loop
-        return self._checked_token_ids(body.prompt)
-
     def _stream_interval_s(self, asked: str | float | None) -> float:
         """The interval between a stream's chunks that the client asked for (header or handle argument), checked;
         else the configured one."""
@@ -346,35 +341,26 @@ class OpenAIIngress:
                            param=STREAM_INTERVAL_HEADER)
         return ms / 1e3
 
-    async def _admit(self, body: SamplingFields, requested_mode: str | None, report_timings: bool,
-                     timeline: RequestTimeline, stream_interval: str | float | None = None,
-                     pd_class: str | None = None) -> Admitted:
-        """Checks the request (model, mode, class, prompt, length, stream interval) and starts it."""
-        self._check_model(body.model)
-        requested = self._requested(requested_mode)
-        pd_class = self._service_class(pd_class, body.pd_class)
-        stream_interval_s = self._stream_interval_s(stream_interval)
-        prompt_ids = await self._prompt_ids(body)
-        max_tokens = await self._checked_max_tokens(body, len(prompt_ids))
-        chat = isinstance(body, ChatCompletionRequest)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        engine_request = EngineRequest(request_id, prompt_ids, body.sampling_params(max_tokens),
-                                       stream_interval_s=stream_interval_s, priority=self.classes[pd_class].priority)
+    async def _start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, requested: str | None,
+                     pd_class: str, stream_interval_s: float, report_timings: bool,
+                     timeline: RequestTimeline) -> Admitted:
+        """One prompt started on its legs, once the queue gives it a slot and the policy a mode."""
+        engine_request = EngineRequest(request_id, prompt_ids, params, stream_interval_s=stream_interval_s,
+                                       priority=self.classes[pd_class].priority)
         ticket = await self._slot(pd_class, timeline)
         try:
-            decision = self._decide(requested, prompt_ids, engine_request.sampling_params, pd_class)
+            decision = self._decide(requested, prompt_ids, params, pd_class)
         except BaseException:
             self._leave(ticket)
             raise
         timeline.decided(decision.mode, decision.reason, decision.costs, pd_class)
         admitted = Admitted(
+            request_id=request_id,
             chunks=self.flow.stream(engine_request, decision.mode, timeline),
-            writer=ResponseWriter(request_id, self.model_id, chat, body.return_token_ids),
             output=RequestOutput(len(prompt_ids), timeline, report_timings),
             mode=decision.mode,
             decision=decision,
             pd_class=pd_class,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
             ticket=ticket,
         )
         # The slot is given back when the request ends (`_run`), or when its answer is dropped unread (on the
@@ -455,7 +441,7 @@ class OpenAIIngress:
             raise _unavailable(str(e)) from e
         except Exception as e:
             outcome = "error"
-            logger.exception("request %s failed", admitted.writer.request_id)
+            logger.exception("request %s failed", admitted.request_id)
             raise APIError(500, f"request failed: {e!r}", "server_error") from e
         finally:
             if outcome == "ok":
@@ -479,30 +465,76 @@ class OpenAIIngress:
         ttft_s = events["first_token_sent"] - events["arrival"]
         self.admission.judged(admitted.ticket, met=self.classes[admitted.pd_class].met(ttft_s, tpot_s))
 
-    async def _whole(self, admitted: Admitted) -> dict:
-        async for _ in self._run(admitted):
-            pass
-        output = admitted.output
-        result = admitted.writer.whole(output.text, output.token_ids, output.finish_reason, output.num_prompt_tokens,
-                                       output.num_cached_tokens)
-        return {**result, **output.timings()}
 
-    async def _stream(self, admitted: Admitted) -> AsyncIterator[dict]:
-        writer, output = admitted.writer, admitted.output
-        async for chunk in self._run(admitted):
-            yield writer.chunk(chunk)
-        if admitted.include_usage:
-            yield writer.usage_chunk(output.num_prompt_tokens, len(output.token_ids), output.num_cached_tokens)
-        if timings := output.timings():
-            yield {"id": writer.request_id, "object": "pd.timings", **timings}
+class PromptLegs:
+    """One request's prompts, each served by the legs as vLLM's serving code asks for them (app/ingress/
+    engine_client.py): its slot in the ingress's queue, its mode, its flow; and what its response needs of them --
+    the mode headers, the timings, and a refusal, which must set the response's status."""
 
-    async def _sse(self, admitted: Admitted) -> AsyncIterator[str]:
+    def __init__(self, ingress: OpenAIIngress, requested: str | None, pd_class: str, stream_interval_s: float,
+                 report_timings: bool, timeline: RequestTimeline):
+        self.ingress, self.requested, self.pd_class = ingress, requested, pd_class
+        self.stream_interval_s, self.report_timings, self.timeline = stream_interval_s, report_timings, timeline
+        self.started: list[Admitted] = []
+        self.refusal: APIError | None = None
+
+    async def __call__(self, prompt_ids: list[int], params: SamplingParams, priority: int
+                       ) -> AsyncIterator[EngineChunk]:
         try:
-            async for body in self._stream(admitted):
-                yield _sse(body)
-        except APIError as e:  # the status line is already sent: report the failure in the stream itself
-            yield _sse(e.body())
-        yield "data: [DONE]\n\n"
+            self.ingress._check_vocabulary(prompt_ids)
+            admitted = await self.ingress._start(f"leg-{uuid.uuid4().hex}", prompt_ids, params, self.requested,
+                                                 self.pd_class, self.stream_interval_s, self.report_timings,
+                                                 self.timeline)
+            self.started.append(admitted)
+            async for chunk in self.ingress._run(admitted):
+                yield chunk
+        except APIError as e:
+            self.refusal = self.refusal or e
+            raise
+
+    def headers(self) -> dict[str, str]:
+        first = self.started[0]
+        return {MODE_HEADER: first.mode, REASON_HEADER: first.decision.reason, CLASS_HEADER: first.pd_class}
+
+    def timings(self) -> dict:
+        return self.started[0].output.timings() if self.started else {}
+
+    def cached_tokens(self) -> int:
+        return sum(admitted.output.num_cached_tokens for admitted in self.started)
+
+
+async def _with_timings(first: str, rest: AsyncIterator[str], legs: PromptLegs) -> AsyncIterator[str]:
+    """vLLM's stream, with the request's timings as one more event before `[DONE]` when asked for. A failure the
+    ingress raised mid-stream (a leg down, the time limit) is told as the app's error, with its status and code,
+    in place of vLLM's rendering of the exception."""
+    yield first
+    async for event in rest:
+        if event.startswith('data: {"error"') and legs.refusal is not None:
+            event = _sse(legs.refusal.body())
+        elif '"prompt_tokens_details":{' in event:
+            event = _with_transferred(event, legs)
+        if event == "data: [DONE]\n\n" and (timings := legs.timings()):
+            yield _sse({"object": "pd.timings", **timings})
+        yield event
+
+
+def _with_transferred(event: str, legs: PromptLegs) -> str:
+    """A stream's usage with the prompt tokens whose KV decode took by transfer (`cached_tokens`, as in a whole
+    body). vLLM's stream takes that count from a request's first output, which is prefill's seeded token, sent
+    before decode took the KV; the count so far stands in for it."""
+    body = json.loads(event.removeprefix("data: "))
+    body["usage"]["prompt_tokens_details"]["cached_tokens"] = legs.cached_tokens()
+    return _sse(body)
+
+
+def _as_body(request: dict | CompletionRequest | ChatCompletionRequest) -> dict:
+    """A handle call's request as the body HTTP would carry."""
+    if isinstance(request, (CompletionRequest, ChatCompletionRequest)):
+        return request.model_dump(exclude_unset=True)
+    if not isinstance(request, dict):
+        raise APIError(400, f"expected a request body (dict) or vLLM's CompletionRequest or ChatCompletionRequest, "
+                       f"got {type(request).__name__}")
+    return request
 
 
 def _unavailable(reason: str) -> APIError:
@@ -523,13 +555,12 @@ def _api_key(env_var: str | None) -> str | None:
 class Admitted:
     """A request that passed its checks and started: its chunks, and what its answer is built with."""
 
+    request_id: str
     chunks: AsyncGenerator[EngineChunk, None]
-    writer: ResponseWriter
     output: RequestOutput
     mode: TransferMode
     decision: Decision
     pd_class: str
-    include_usage: bool
     ticket: Ticket  # its place in the ingress's queue, told whether the request met its class's objectives
     release_slot: weakref.finalize | None = None
 
