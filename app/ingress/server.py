@@ -157,19 +157,20 @@ class OpenAIIngress:
         return await self._served(request, chat=True)
 
     async def _served(self, request: Request, chat: bool) -> Response:
+        timeline = RequestTimeline()  # it arrived: reading its body is part of its time to first token
         with self._counting_refusals():
             self._authorize(request)
             raw = await _parse_object(request, self.max_request_bytes)
         headers = request.headers
         legs, answer = await self._serve(raw, chat, headers.get(MODE_HEADER), headers.get(CLASS_HEADER),
                                          headers.get(STREAM_INTERVAL_HEADER),
-                                         headers.get(TIMINGS_HEADER, "").lower() in ("1", "true"))
+                                         headers.get(TIMINGS_HEADER, "").lower() in ("1", "true"), timeline)
         if isinstance(answer, dict):
             return JSONResponse(answer, headers=legs.headers())
         return StreamingResponse(answer, media_type="text/event-stream", headers=legs.headers())
 
     async def _serve(self, raw: dict, chat: bool, mode: str | None, pd_class: str | None,
-                     stream_interval: str | float | None, report_timings: bool
+                     stream_interval: str | float | None, report_timings: bool, timeline: RequestTimeline
                      ) -> tuple[PromptLegs, dict | AsyncIterator[str]]:
         """The request answered by vLLM's own serving code over the legs (app/ingress/serving.py): its body read
         as vLLM's request model, its response built by vLLM -- the whole body, or the stream's events. A refusal
@@ -179,7 +180,7 @@ class OpenAIIngress:
             self._check_text_can_fit(raw.get("messages") if chat else raw.get("prompt"))
             body = validated(raw, chat)
             legs = PromptLegs(self, self._requested(mode), self._service_class(pd_class, raw.get("pd_class")),
-                              self._stream_interval_s(stream_interval), report_timings, RequestTimeline())
+                              self._stream_interval_s(stream_interval), report_timings, timeline)
             serving = self.serving.chat.create_chat_completion if chat else self.serving.completion.create_completion
             with served_by(legs):
                 try:
@@ -223,11 +224,11 @@ class OpenAIIngress:
         vLLM's request model (a body with `messages` is a chat request). `mode` picks the transfer mode as the
         `x-kv-transfer-mode` header does, `pd_class` the service class as `x-pd-class` does. Errors raise
         APIError, with the status HTTP would answer."""
-        request = _as_body(request)
+        timeline, request = RequestTimeline(), _as_body(request)
         if request.get("stream"):
             raise APIError(400, "stream is true: call create_stream with handle.options(stream=True)",
                            param="stream")
-        _, answer = await self._serve(request, "messages" in request, mode, pd_class, None, timings)
+        _, answer = await self._serve(request, "messages" in request, mode, pd_class, None, timings, timeline)
         return answer
 
     async def create_stream(self, request: dict | CompletionRequest | ChatCompletionRequest, mode: str | None = None,
@@ -237,8 +238,9 @@ class OpenAIIngress:
         `handle.options(stream=True)`. A failure after the first chunk raises APIError from the stream. Cancelling
         the call aborts the request's legs. `stream_interval_ms` is the `x-pd-stream-interval-ms` header's,
         `pd_class` the `x-pd-class` header's."""
-        body = {**_as_body(request), "stream": True}
-        _, events = await self._serve(body, "messages" in body, mode, pd_class, stream_interval_ms, timings)
+        timeline, body = RequestTimeline(), {**_as_body(request), "stream": True}
+        _, events = await self._serve(body, "messages" in body, mode, pd_class, stream_interval_ms, timings,
+                                      timeline)
         async for event in events:
             data = event.removeprefix("data: ").strip()
             if data == "[DONE]":
