@@ -83,7 +83,8 @@ def test_push_is_chosen_when_its_path_is_the_cheaper_one():
 def test_push_is_not_chosen_onto_a_decode_whose_kv_is_nearly_full():
     priors = CostPriors(**{**PRIORS.__dict__, "hop_s": {"push": 0.001, "pull": 0.004, "local": 0.001}})
     full = cluster(decode=[ReplicaLoad("d0", decoding=8, kv_cache_usage=0.95)])
-    assert policy(priors=priors).decide(request(20_000), full).mode == "pull"
+    decision = policy(priors=priors).decide(request(20_000), full)
+    assert (decision.mode, decision.ruled_out) == ("pull", ("push",))
 
 
 def test_push_is_not_chosen_while_prompts_queued_at_prefill_would_keep_its_decode_slot_idle():
@@ -92,9 +93,11 @@ def test_push_is_not_chosen_while_prompts_queued_at_prefill_would_keep_its_decod
     decode = [ReplicaLoad("d0", decoding=8)]
     short = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=4_000)], decode=decode)
     long = cluster(prefill=[ReplicaLoad("p0", queued_prefill_tokens=6_000)], decode=decode)
-    assert policy(priors=priors).decide(request(20_000), short).mode == "push"
+    taken = policy(priors=priors).decide(request(20_000), short)
+    assert (taken.mode, taken.ruled_out) == ("push", ())
     decision = policy(priors=priors).decide(request(20_000), long)
-    assert decision.mode == "pull" and decision.costs["push"].score < decision.costs["pull"].score
+    assert (decision.mode, decision.ruled_out) == ("pull", ("push",))
+    assert decision.costs["push"].score < decision.costs["pull"].score
 
 
 def test_an_explicit_mode_is_obeyed_in_every_mode():

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.policy.mode_policy import Decision
 
 # Each phase runs from one event to another; a phase whose events did not happen in a request is left out.
 PHASES: dict[str, tuple[str, str]] = {
@@ -46,11 +50,11 @@ class RequestTimeline:
         self.mark(f"{role}_taken")
         self.replicas[role] = replica
 
-    def decided(self, mode: str, reason: str, costs: dict, pd_class: str) -> None:
-        """`costs`: mode -> OptionCost (app/policy/mode_policy.py), reported in milliseconds."""
-        self.decision = {"mode": mode, "reason": reason, "class": pd_class, "predicted_ms": {
+    def decided(self, decision: Decision, pd_class: str) -> None:
+        """The mode's decision (app/policy/mode_policy.py), its predicted costs in milliseconds."""
+        self.decision = {"mode": decision.mode, "reason": decision.reason, "class": pd_class, "predicted_ms": {
             option: {"ttft": round(cost.ttft_s * 1e3, 3), "stall": round(cost.stall_s * 1e3, 3)}
-            for option, cost in costs.items()}}
+            for option, cost in decision.costs.items()}, "ruled_out": list(decision.ruled_out)}
 
     def dispatched(self, role: str) -> None:
         self.mark(f"{role}_dispatched")

@@ -355,7 +355,7 @@ class OpenAIIngress:
         except BaseException:
             self._leave(ticket)
             raise
-        timeline.decided(decision.mode, decision.reason, decision.costs, pd_class)
+        timeline.decided(decision, pd_class)
         admitted = Admitted(
             request_id=request_id,
             chunks=self.flow.stream(engine_request, decision.mode, timeline),

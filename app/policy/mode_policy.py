@@ -104,6 +104,7 @@ class Decision:
     costs: Mapping[Mode, OptionCost] = field(default_factory=dict)
     decoding: int = 0  # the streams the chosen mode's prefill runs beside: its observation's load (Observation)
     queued_tokens: int = 0  # prompt tokens queued ahead on the engine that prefills: what its queue wait drains
+    ruled_out: tuple[Mode, ...] = ()  # options costed but kept out by a limit (push while it would hold decode idle)
 
 
 @dataclass(frozen=True)
@@ -325,6 +326,7 @@ class ModePolicy:
     def _auto(self, request: RequestFeatures, best: _BestReplicas) -> Decision:
         costs = self._costs(request, best)
         options = [mode for mode in costs if mode != "push" or self._push_holds_little(request, best)]
+        ruled_out = tuple(mode for mode in costs if mode not in options)
         cheapest = min(options, key=lambda m: costs[m].score)
         self._since_explore += 1
         if self._since_explore >= self.config.priors.explore_every:
@@ -335,8 +337,8 @@ class ModePolicy:
             if unseen:
                 self._since_explore = 0
                 mode = min(unseen, key=lambda m: (samples[m], costs[m].score))
-                return best.decision(mode, EXPLORE, costs)
-        return best.decision(cheapest, LOWEST_COST, costs)
+                return best.decision(mode, EXPLORE, costs, ruled_out)
+        return best.decision(cheapest, LOWEST_COST, costs, ruled_out)
 
     def _push_holds_little(self, request: RequestFeatures, best: _BestReplicas) -> bool:
         """Push binds a decode replica's slot and blocks at arrival: only where they are free (KV under
@@ -413,8 +415,9 @@ class _BestReplicas:
         """Prompt tokens queued ahead on the engine that would prefill a `mode` request."""
         return self.decode.queued_prefill_tokens if mode == "local" else self.prefill.queued_prefill_tokens
 
-    def decision(self, mode: Mode, reason: str, costs: Mapping[Mode, OptionCost]) -> Decision:
-        return Decision(mode, reason, self.bound(mode), costs, self.streams(mode), self.queued(mode))
+    def decision(self, mode: Mode, reason: str, costs: Mapping[Mode, OptionCost], ruled_out: tuple[Mode, ...] = ()
+                 ) -> Decision:
+        return Decision(mode, reason, self.bound(mode), costs, self.streams(mode), self.queued(mode), ruled_out)
 
 
 def _best_replicas(cluster: ClusterSnapshot) -> _BestReplicas:
