@@ -429,11 +429,18 @@ class OpenAIIngress:
         outcome = "cancelled"  # unless it gets further than the caller did
         self.metrics.started(admitted.mode)
         self.loop_lag.watch()
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
-            async with asyncio.timeout(self.timeout_s):
-                async for chunk in admitted.chunks:
-                    admitted.output.add(chunk)
-                    yield chunk
+            while True:
+                # The deadline is entered around each step, in the task that takes it: one stream's steps are taken
+                # by different tasks (the route takes the first event, the response's task the rest), and a
+                # timeout held across a yield would cancel whichever task entered it.
+                async with asyncio.timeout_at(deadline):
+                    chunk = await anext(admitted.chunks, None)
+                if chunk is None:
+                    break
+                admitted.output.add(chunk)
+                yield chunk
             outcome = "ok"
         except TimeoutError as e:
             outcome = "timeout"
