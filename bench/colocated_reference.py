@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def colocated_outputs(config_path: Path, prompts: list[dict], timeout_s: float = 600) -> list[dict]:
-    """For each {"prompt_token_ids": [...], "max_tokens": N}: {"text", "token_ids"} of a greedy completion by one
-    engine of `config_path`'s decode side."""
+    """For each {"prompt_token_ids": [...], "max_tokens": N, optionally "logprobs": K}: {"text", "token_ids"} of a
+    greedy completion by one engine of `config_path`'s decode side, and with K, "logprobs": per token, the top K
+    and the sampled token's logprobs by token id."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "outputs.json"
         done = subprocess.run([sys.executable, __file__, str(config_path), str(out)], input=json.dumps(prompts),
@@ -41,11 +42,19 @@ def main() -> None:
     prompts = json.load(sys.stdin)
     outputs = llm.generate(
         [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts],
-        [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"]) for p in prompts],
+        [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"], logprobs=p.get("logprobs")) for p in prompts],
         use_tqdm=False,
     )
     with open(sys.argv[2], "w") as f:  # not stdout: vLLM logs there
-        json.dump([{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)} for o in outputs], f)
+        json.dump([_answer(o.outputs[0]) for o in outputs], f)
+
+
+def _answer(completion) -> dict:
+    answer = {"text": completion.text, "token_ids": list(completion.token_ids)}
+    if completion.logprobs is not None:
+        answer["logprobs"] = [{token: logprob.logprob for token, logprob in step.items()}
+                              for step in completion.logprobs]
+    return answer
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ ROLES = ("prefill", "decode")
 LEASE_S = 4
 PUSH_TIMEOUT_S = 10  # a burst of 20 requests keeps the one prefill core busy for several seconds
 OWN_APP_START_S = 600  # a hang bound: engines of a module's own app start in 1-2 min on these cores
+REFERENCE_LOGPROBS = 5  # each reference token carries its top-5 logprobs (tests/test_logprobs.py)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -80,7 +81,8 @@ def reference_outputs(tokenizer) -> dict[str, dict[str, Any]]:
     """Computed before the app starts, in a separate process, so the reference engine never shares cores."""
     from bench.colocated_reference import colocated_outputs
 
-    prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, c), "max_tokens": c.max_tokens} for c in CASES]
+    prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, c), "max_tokens": c.max_tokens,
+                "logprobs": REFERENCE_LOGPROBS} for c in CASES]
     outputs = colocated_outputs(CPU_CONFIG, prompts)
     return {case.name: {**out, "prompt_token_ids": p["prompt_token_ids"]}
             for case, out, p in zip(CASES, outputs, prompts)}

@@ -92,7 +92,6 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing_and_stalls_no_one
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("response_format", {"type": "json_object"}),
-    ("logprobs", True),
     ("structured_outputs", {"regex": "a+"}),
 ])
 def test_fields_that_change_the_answer_are_refused_by_name(app, field, value):

@@ -1,5 +1,5 @@
 """What the ingress sends to an engine replica and what comes back: plain data that crosses Ray without vLLM types
-other than SamplingParams."""
+other than SamplingParams and Logprob."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.logprobs import Logprob
 
 
 @dataclass
@@ -52,6 +53,8 @@ class EngineChunk:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token that ended it (vLLM's CompletionOutput's)
+    # Asked for (`logprobs`): per token, the sampled token's and the top ones' logprobs (vLLM's SampleLogprobs).
+    logprobs: list[dict[int, Logprob]] | None = None
     # Prompt tokens the engine did not compute itself (with prefix caching off: tokens that arrived by transfer).
     num_cached_tokens: int = 0
     # First chunk only: when the engine queued, scheduled and produced the request's first token (wall clock, s).

@@ -155,6 +155,7 @@ def engine_chunk(output) -> EngineChunk:
     made = output.metrics.last_token_ts + _to_wall() if output.metrics is not None else 0.0
     return EngineChunk(text=completion.text, token_ids=list(completion.token_ids),
                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                       logprobs=None if completion.logprobs is None else list(completion.logprobs),
                        num_cached_tokens=output.num_cached_tokens or 0, made_at=made)
 
 

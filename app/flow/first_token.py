@@ -14,7 +14,8 @@ A request is seeded only where its output stays exactly what a colocated engine 
 - a seeded random sampler (`seed` with temperature > 0) would restart its random stream at decode;
 - a stop string could span the seeded token and the next one, which decode alone cannot see.
 Such requests take the unseeded path (prefill's token is dropped; decode samples the first token). Repetition
-penalty, `min_tokens`, `max_tokens` and stop token ids carry over exactly.
+penalty, `min_tokens`, `max_tokens` and stop token ids carry over exactly. Logprobs need nothing of the kind: the
+seeded token's come from prefill's logits, which are the colocated engine's.
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ def can_seed(params: SamplingParams, mode: TransferMode) -> bool:
 
 
 def prefill_sampling(params: SamplingParams, seeded: bool) -> SamplingParams:
-    """Prefill samples one token: under the request's own rules when that token goes to the client."""
+    """Prefill samples one token: under the request's own rules when that token goes to the client, with its
+    logprobs if they were asked for; unseeded, the token is dropped and so are they."""
     params = params.clone()
     params.max_tokens = 1
     params.min_tokens = min(params.min_tokens, 1) if seeded else 0
+    if not seeded:
+        params.logprobs = params.logprob_token_ids = None
     return params
 
 

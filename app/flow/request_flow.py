@@ -180,7 +180,8 @@ class RequestFlow:
                     if chunk.token_ids[0] != drop_first.token_ids[0]:
                         raise EngineFailed("decode's first token differs from the one prefill sent")
                     chunk = replace(chunk, token_ids=chunk.token_ids[1:],
-                                    text=chunk.text.removeprefix(drop_first.text))
+                                    text=chunk.text.removeprefix(drop_first.text),
+                                    logprobs=None if chunk.logprobs is None else chunk.logprobs[1:])
                     drop_first = None
                     if not chunk.token_ids and chunk.finish_reason is None:
                         continue

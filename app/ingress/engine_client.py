@@ -131,27 +131,36 @@ async def _request_outputs(chunks: AsyncIterator[EngineChunk], request_id: str, 
                            kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
     """The chunks as vLLM's engine would give them for `kind`: DELTA each chunk's new tokens, CUMULATIVE all so far
     at each chunk, FINAL_ONLY all of them once. The request's finish and stop reasons are the chunk's that had
-    them (a leg may pass on an empty chunk after its last)."""
+    them (a leg may pass on an empty chunk after its last). With logprobs asked for, each token's come with it
+    (the seeded first token's from prefill), and the cumulative logprob is their sum over the sampled tokens, as
+    vLLM's engine keeps it."""
     so_far = EngineChunk(text="", token_ids=[])
+    cumulative = None
     try:
         async for chunk in chunks:
             so_far.text, so_far.token_ids = so_far.text + chunk.text, so_far.token_ids + chunk.token_ids
             so_far.num_cached_tokens = max(so_far.num_cached_tokens, chunk.num_cached_tokens)
+            if chunk.logprobs is not None:
+                so_far.logprobs = (so_far.logprobs or []) + chunk.logprobs
+                cumulative = (cumulative or 0.0) + sum(
+                    step[token].logprob for token, step in zip(chunk.token_ids, chunk.logprobs))
             if chunk.finish_reason is not None:
                 so_far.finish_reason, so_far.stop_reason = chunk.finish_reason, chunk.stop_reason
             if kind == RequestOutputKind.DELTA:
-                yield _output(request_id, prompt, chunk, so_far.num_cached_tokens)
+                yield _output(request_id, prompt, chunk, so_far.num_cached_tokens, cumulative)
             elif kind == RequestOutputKind.CUMULATIVE:
-                yield _output(request_id, prompt, so_far, so_far.num_cached_tokens)
+                yield _output(request_id, prompt, so_far, so_far.num_cached_tokens, cumulative)
         if kind == RequestOutputKind.FINAL_ONLY:
-            yield _output(request_id, prompt, so_far, so_far.num_cached_tokens)
+            yield _output(request_id, prompt, so_far, so_far.num_cached_tokens, cumulative)
     finally:
         await chunks.aclose()
 
 
-def _output(request_id: str, prompt: dict, chunk: EngineChunk, cached: int) -> RequestOutput:
-    completion = CompletionOutput(index=0, text=chunk.text, token_ids=list(chunk.token_ids), cumulative_logprob=None,
-                                  logprobs=None, finish_reason=chunk.finish_reason, stop_reason=chunk.stop_reason)
+def _output(request_id: str, prompt: dict, chunk: EngineChunk, cached: int, cumulative_logprob: float | None
+            ) -> RequestOutput:
+    completion = CompletionOutput(index=0, text=chunk.text, token_ids=list(chunk.token_ids),
+                                  cumulative_logprob=cumulative_logprob, logprobs=chunk.logprobs,
+                                  finish_reason=chunk.finish_reason, stop_reason=chunk.stop_reason)
     return RequestOutput(request_id=request_id, prompt=prompt.get("prompt"),
                          prompt_token_ids=list(prompt["prompt_token_ids"]), prompt_logprobs=None,
                          outputs=[completion], finished=chunk.finish_reason is not None, num_cached_tokens=cached)

@@ -13,9 +13,7 @@ from vllm.exceptions import VLLMValidationError
 # What vLLM's request models take that the legs do not carry yet, refused by name rather than answered as if it
 # had not been asked (null, false, empty and the default count as not asked).
 UNSERVED = {
-    "logprobs": "logprobs are not carried across the legs yet", "top_logprobs": "logprobs are not carried yet",
-    "prompt_logprobs": "prompt logprobs are not carried yet", "logprob_token_ids": "logprobs are not carried yet",
-    "return_token_offsets": "logprobs are not carried yet",
+    "prompt_logprobs": "prompt logprobs are not carried yet",
     "n": "more than one sample per prompt is not served yet", "use_beam_search": "beam search is not served",
     "echo": "echo is not served yet",
     "response_format": "structured outputs are not served yet", "structured_outputs": "structured outputs are not "
