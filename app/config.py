@@ -152,8 +152,38 @@ class EngineConfig(StrictModel):
         return self
 
 
+class ChatConfig(StrictModel):
+    """How the ingress renders chat requests and parses their answers: `vllm serve`'s options of the same names."""
+
+    chat_template: str | None = Field(
+        default=None, description="A Jinja chat template in place of the tokenizer's: a file's path (relative paths "
+        "from the project root) or the template itself. A template that renders `tools` lets clients send them.")
+    enable_auto_tool_choice: bool = Field(
+        default=False, description="Parse tool calls out of answers to requests with `tool_choice: auto` (or none "
+        "named), with `tool_call_parser`. Without it such requests get a 400; `required` and a named function are "
+        "served either way, held to the tools' schema by structured outputs.")
+    tool_call_parser: str | None = Field(default=None, description="One of vLLM's registered tool parsers.")
+    reasoning_parser: str | None = Field(
+        default=None, description="One of vLLM's registered reasoning parsers: the answer's reasoning is returned "
+        "apart from its content.")
+
+    @model_validator(mode="after")
+    def _parsers_are_vllms(self) -> ChatConfig:
+        from vllm.reasoning import ReasoningParserManager
+        from vllm.tool_parsers import ToolParserManager
+
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        for kind, name, manager in (("tool_call_parser", self.tool_call_parser, ToolParserManager),
+                                    ("reasoning_parser", self.reasoning_parser, ReasoningParserManager)):
+            if name is not None and name not in manager.list_registered():
+                raise ValueError(f"{kind} {name!r} is not one of vLLM's: {sorted(manager.list_registered())}")
+        return self
+
+
 class IngressConfig(StrictModel):
     deployment_config: dict[str, Any] = Field(default_factory=dict)
+    chat: ChatConfig = Field(default_factory=ChatConfig, description="Chat templates, tool calls and reasoning.")
     request_timeout_s: PositiveInt = Field(default=120, description="Upper bound on one request end to end.")
     replica_wait_s: float = Field(
         default=1.0, gt=0, description="How long a leg may wait for an engine replica to take it. Past that (no "

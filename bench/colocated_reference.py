@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def colocated_outputs(config_path: Path, prompts: list[dict], timeout_s: float = 600) -> list[dict]:
-    """For each {"prompt_token_ids": [...], "max_tokens": N, optionally "logprobs": K}: {"text", "token_ids"} of a
-    greedy completion by one engine of `config_path`'s decode side, and with K, "logprobs": per token, the top K
-    and the sampled token's logprobs by token id."""
+    """For each {"prompt_token_ids": [...], "max_tokens": N, optionally "logprobs": K and "json_schema": S}:
+    {"text", "token_ids"} of a greedy completion by one engine of `config_path`'s decode side, held to the schema
+    S by vLLM's structured outputs; with K, "logprobs": per token, the top K and the sampled token's logprobs by
+    token id."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "outputs.json"
         done = subprocess.run([sys.executable, __file__, str(config_path), str(out)], input=json.dumps(prompts),
@@ -31,6 +32,7 @@ def colocated_outputs(config_path: Path, prompts: list[dict], timeout_s: float =
 
 def main() -> None:
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     from app.config import load_config
     from app.tiny_model import resolve_model_source
@@ -42,7 +44,9 @@ def main() -> None:
     prompts = json.load(sys.stdin)
     outputs = llm.generate(
         [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts],
-        [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"], logprobs=p.get("logprobs")) for p in prompts],
+        [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"], logprobs=p.get("logprobs"),
+                        structured_outputs=StructuredOutputsParams(json=p["json_schema"])
+                        if p.get("json_schema") else None) for p in prompts],
         use_tqdm=False,
     )
     with open(sys.argv[2], "w") as f:  # not stdout: vLLM logs there

@@ -42,6 +42,7 @@ class Case:
     max_tokens: int
     prompt: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
+    schema: dict | None = None  # a JSON schema the answer follows (`response_format`; the reference's grammar)
 
 
 def _text(first_line: int, num_lines: int) -> str:
@@ -57,6 +58,16 @@ CASES = [
         {"role": "system", "content": _text(300, 10)},
         {"role": "user", "content": _text(400, 90)},
     )),
+]
+
+# Answers held to a JSON schema (tests/test_structured_outputs.py), the colocated engine's under the same grammar.
+STRUCTURED_CASES = [
+    Case("json-chat", 48, messages=({"role": "user", "content": "Is the sea deep? Answer in JSON."},), schema={
+        "type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"], "additionalProperties": False}),
+    Case("json-long", 48, prompt=_text(100, 110), schema={
+        "type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+        "additionalProperties": False}),
 ]
 
 
@@ -81,11 +92,12 @@ def reference_outputs(tokenizer) -> dict[str, dict[str, Any]]:
     """Computed before the app starts, in a separate process, so the reference engine never shares cores."""
     from bench.colocated_reference import colocated_outputs
 
+    cases = CASES + STRUCTURED_CASES
     prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, c), "max_tokens": c.max_tokens,
-                "logprobs": REFERENCE_LOGPROBS} for c in CASES]
+                "logprobs": REFERENCE_LOGPROBS, "json_schema": c.schema} for c in cases]
     outputs = colocated_outputs(CPU_CONFIG, prompts)
     return {case.name: {**out, "prompt_token_ids": p["prompt_token_ids"]}
-            for case, out, p in zip(CASES, outputs, prompts)}
+            for case, out, p in zip(cases, outputs, prompts)}
 
 
 @dataclass

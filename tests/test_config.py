@@ -280,3 +280,13 @@ def test_autoscaling_passes_through_to_the_engine_deployment():
     raw["decode"]["deployment_config"] = {"num_replicas": "auto"}
     with pytest.raises(ValidationError, match="autoscaling_config"):
         PDAppConfig.model_validate(raw)
+
+
+def test_chat_parsers_are_vllms_registered_ones():
+    raw = raw_cpu_config()
+    assert load_config(CPU).ingress.chat.tool_call_parser == "hermes"
+    for field, name in (("tool_call_parser", "hermes-ish"), ("reasoning_parser", "mind-reader")):
+        with pytest.raises(ValidationError, match=f"{field} {name!r} is not one of vLLM's"):
+            PDAppConfig.model_validate({**raw, "ingress": {"chat": {field: name}}})
+    with pytest.raises(ValidationError, match="needs a tool_call_parser"):
+        PDAppConfig.model_validate({**raw, "ingress": {"chat": {"enable_auto_tool_choice": True}}})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from vllm import SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
 
 from app.flow.first_token import after_seed, can_seed, prefill_sampling
 
@@ -22,6 +23,14 @@ def test_local_requests_have_no_prefill_to_seed_from():
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_requests_whose_output_would_change_are_not_seeded(mode, fields):
     assert not can_seed(SamplingParams(temperature=0, **fields), mode)
+
+
+def test_a_grammar_or_bad_words_keep_pull_unseeded_but_not_greedy_push():
+    structured = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    bad_words = SamplingParams(temperature=0, bad_words=["the sea"])
+    assert not can_seed(structured, "pull") and not can_seed(bad_words, "pull")
+    assert can_seed(structured, "push") and can_seed(bad_words, "push")  # decode samples the first token again
+    assert prefill_sampling(structured, False).structured_outputs is None  # its token is dropped: no grammar
 
 
 def test_random_sampling_is_seeded_in_pull_only_without_a_seed():

@@ -26,8 +26,7 @@ def test_transfer_internals_are_refused_even_empty(name):
 
 @pytest.mark.parametrize("field, value, chat", [
     ("prompt_logprobs", 1, False),
-    ("n", 2, False), ("echo", True, False), ("response_format", {"type": "json_object"}, True),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], True),
+    ("n", 2, False), ("echo", True, False),
 ])
 def test_what_the_legs_do_not_carry_yet_is_refused_by_name(field, value, chat):
     with pytest.raises(APIError) as refused:
@@ -36,7 +35,7 @@ def test_what_the_legs_do_not_carry_yet_is_refused_by_name(field, value, chat):
     assert UNSERVED[field] in refused.value.message
 
 
-@pytest.mark.parametrize("field", [{"n": 1}, {"logprobs": 5}, {"echo": False}, {"response_format": {"type": "text"}},
+@pytest.mark.parametrize("field", [{"n": 1}, {"logprobs": 5}, {"echo": False}, {"response_format": {"type": "json_object"}},
                                    {"logit_bias": {"5": 1.0}}, {"bad_words": ["x"]}, {"stop": ["\n"]}])
 def test_what_asks_nothing_the_legs_lack_is_taken(field):
     validated({**PROMPT, **field} if "response_format" not in field else {**CHAT, **field},

@@ -12,7 +12,10 @@ straight away takes the KV hand-off off the path to the first token. Decode then
 A request is seeded only where its output stays exactly what a colocated engine would give:
 - presence and frequency penalties count output tokens only, and the seeded token would be a prompt token at decode;
 - a seeded random sampler (`seed` with temperature > 0) would restart its random stream at decode;
-- a stop string could span the seeded token and the next one, which decode alone cannot see.
+- a stop string could span the seeded token and the next one, which decode alone cannot see;
+- under pull, a structured output's grammar and multi-token bad words follow the output's tokens, and decode would
+  take its first for the output's first (push decode samples the first token again, under its grammar, so greedy
+  structured requests are seeded there).
 Such requests take the unseeded path (prefill's token is dropped; decode samples the first token). Repetition
 penalty, `min_tokens`, `max_tokens` and stop token ids carry over exactly. Logprobs need nothing of the kind: the
 seeded token's come from prefill's logits, which are the colocated engine's.
@@ -37,17 +40,19 @@ def can_seed(params: SamplingParams, mode: TransferMode) -> bool:
         return False
     if mode == "push":
         return is_greedy(params)
+    if params.structured_outputs is not None or params.bad_words:
+        return False
     return is_greedy(params) or params.seed is None
 
 
 def prefill_sampling(params: SamplingParams, seeded: bool) -> SamplingParams:
     """Prefill samples one token: under the request's own rules when that token goes to the client, with its
-    logprobs if they were asked for; unseeded, the token is dropped and so are they."""
+    logprobs if they were asked for; unseeded, the token is dropped, and no grammar or logprobs are worked for it."""
     params = params.clone()
     params.max_tokens = 1
     params.min_tokens = min(params.min_tokens, 1) if seeded else 0
     if not seeded:
-        params.logprobs = params.logprob_token_ids = None
+        params.logprobs = params.logprob_token_ids = params.structured_outputs = None
     return params
 
 

@@ -144,8 +144,10 @@ class RequestFlow:
     def _flow(self, request: EngineRequest, mode: TransferMode, timeline: RequestTimeline
               ) -> AsyncGenerator[EngineChunk, None]:
         if mode == "local":
+            timeline.first_token_from("decode")
             return self._decode(self._dispatch_decode(request, timeline), timeline)
         seeded = self.seed_first_token and can_seed(request.sampling_params, mode)
+        timeline.first_token_from("prefill" if seeded else "decode")
         if seeded and request.sampling_params.max_tokens == 1:
             return self._prefill_only(request, timeline)  # the first token is the whole answer: nothing to hand off
         return (self._push if mode == "push" else self._pull)(request, seeded, timeline)

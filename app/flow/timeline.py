@@ -56,6 +56,11 @@ class RequestTimeline:
             option: {"ttft": round(cost.ttft_s * 1e3, 3), "stall": round(cost.stall_s * 1e3, 3)}
             for option, cost in decision.costs.items()}, "ruled_out": list(decision.ruled_out)}
 
+    def first_token_from(self, role: str) -> None:
+        """Which engine samples the first token the client gets: prefill (seeded), or decode -- also for a request
+        whose sampling rules keep it off the seeded path (app/flow/first_token.py)."""
+        self.decision["first_token"] = role
+
     def dispatched(self, role: str) -> None:
         self.mark(f"{role}_dispatched")
         self.mark("first_dispatch")

@@ -44,6 +44,10 @@ class LegsEngineClient(EngineClient):
 
     def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
                  **_: Any) -> AsyncIterator[RequestOutput]:
+        # What an engine checks as it takes a request is checked here, before any leg starts, so that what it would
+        # refuse (a grammar that does not compile, more logprobs than it keeps) is the client's 400 (ValueError).
+        sampling_params.verify(self.model_config, None, self.vllm_config.structured_outputs_config,
+                               self.renderer.tokenizer)
         # The legs are read now, in the calling route's context: the generator may be iterated from another task.
         chunks = _LEGS.get()(list(prompt["prompt_token_ids"]), sampling_params, priority)
         return _request_outputs(chunks, request_id, prompt, sampling_params.output_kind)

@@ -16,8 +16,7 @@ UNSERVED = {
     "prompt_logprobs": "prompt logprobs are not carried yet",
     "n": "more than one sample per prompt is not served yet", "use_beam_search": "beam search is not served",
     "echo": "echo is not served yet",
-    "response_format": "structured outputs are not served yet", "structured_outputs": "structured outputs are not "
-    "served yet", "tools": "tool calls are not served yet", "functions": "tool calls are not served yet",
+    "functions": "the deprecated `functions` are not served: send `tools`",
     "prompt_embeds": "prompt embeddings are not served", "mm_payload": "multimodal input is not served",
     "media_io_kwargs": "multimodal input is not served", "mm_processor_kwargs": "multimodal input is not served",
     "kv_transfer_params": "kv_transfer_params is set by the server and may not be supplied by clients",
@@ -70,8 +69,7 @@ def validated(raw: dict[str, Any], chat: bool) -> CompletionRequest | ChatComple
         value = getattr(body, name, None)
         field = model.model_fields.get(name)
         asked = value is not None if name in SET_BY_SERVER else (
-            value not in (None, False, [], {}, "") and (field is None or value != field.default)
-            and not (name == "response_format" and getattr(value, "type", None) == "text"))
+            value not in (None, False, [], {}, "") and (field is None or value != field.default))
         if asked:
             raise APIError(400, f"{name}: {why}", param=name, code="unsupported_field")
     return body

@@ -110,7 +110,7 @@ class OpenAIIngress:
         self.engines = {"prefill": prefill, "decode": decode}
         self.metrics = IngressMetrics()
         # The ingress renders and tokenizes once (vLLM's renderer), so both legs see exactly the same prompt tokens.
-        self.serving = build_serving(self.model_id, config.decode)
+        self.serving = build_serving(self.model_id, config.decode, config.ingress.chat)
         model_config = self.serving.client.model_config
         self.vocab_size, self.max_model_len = model_config.get_vocab_size(), model_config.max_model_len
         vocab = self.serving.client.renderer.tokenizer.get_vocab()
