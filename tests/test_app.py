@@ -50,7 +50,8 @@ def _stream_choices(base_url: str, path: str, body: dict, headers: dict | None =
 
 
 def _stream_text(base_url: str, path: str, body: dict) -> str:
-    return "".join(c["delta"]["content"] if "delta" in c else c["text"] for c in _stream_choices(base_url, path, body))
+    return "".join((c["delta"].get("content") or "") if "delta" in c else c["text"]
+                   for c in _stream_choices(base_url, path, body))
 
 
 # A stop string that never matches: the request's output is unchanged, but it takes the unseeded path (decode samples

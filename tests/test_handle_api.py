@@ -65,8 +65,7 @@ def test_typed_requests_and_usage_in_the_stream(pd, reference_outputs):
 @pytest.mark.parametrize("request_body, mode, status, param", [
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, None, 400, "max_tokens"),
     ({"model": "other", "prompt": "hi"}, None, 404, "model"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, None, 400, "n"),
     ({"model": MODEL, "prompt": "hi"}, "teleport", 400, "x-kv-transfer-mode"),
     ({"model": MODEL, "prompt": "hi", "stream": True}, None, 400, "stream"),
 ])
