@@ -42,7 +42,7 @@ from app.config import cpu_set, hold_process_to
 from app.ingress.server import STREAM_INTERVAL_HEADER
 from bench.load import Target, percentile, run_concurrent
 from bench.peers import random_prompt
-from bench.systems import System, VllmServer, app_on_own_cluster, bench_config, wait_ready
+from bench.systems import System, VllmServer, app_on_own_cluster, bench_config
 
 CLIENT = "client (this process)"
 STALL_MS = 100
@@ -260,7 +260,7 @@ def main() -> None:
                 # finishing their start.
                 app.freeze()
                 plain = VllmServer(config.decode, config.decode.cpu_cores[0], log_dir)
-                wait_ready(plain.url)
+                plain.wait_ready()
                 systems = {"vllm": (System("vllm", plain.engines()), Target([plain.url], config.model_id), None),
                            **systems}
             cells = []

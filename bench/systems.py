@@ -57,16 +57,6 @@ class System:
                 proc.send_signal(sig)
 
 
-def wait_ready(url: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                return
-        time.sleep(2)
-    raise TimeoutError(f"{url} did not come up within {timeout_s:.0f} s")
-
-
 def cli_flags(engine_kwargs: dict[str, Any]) -> list[str]:
     """AsyncEngineArgs keyword arguments as `vllm serve` flags."""
     flags = []
@@ -74,6 +64,8 @@ def cli_flags(engine_kwargs: dict[str, Any]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):  # a config section (e.g. structured_outputs_config): vLLM reads it as JSON
+            flags += [flag, json.dumps(value)]
         else:
             flags += [flag, str(value)]
     return flags
@@ -93,6 +85,18 @@ class VllmServer:
         self.log = open(log_dir / f"vllm-{cores}.log", "w")
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        """Until it serves; a server that exits (a flag it refused, say) fails at once, pointing at its log."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {self.process.returncode}: see {self.log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/v1/models", timeout=5).status_code == 200:
+                    return
+            time.sleep(2)
+        raise TimeoutError(f"{self.url} did not come up within {timeout_s:.0f} s")
 
     def engines(self) -> list[psutil.Process]:
         return engine_processes(self.process.pid)
@@ -224,7 +228,7 @@ def side_by_side(config: PDAppConfig, app_headers: dict[str, dict[str, str]], lo
         serve.start(http_options={"host": HOST, "port": port})
         base, model = f"http://{HOST}:{port}", config.model_id
         for server in plain:
-            wait_ready(server.url)
+            server.wait_ready()
         systems["vllm"] = (System("vllm", plain[0].engines()), Target([plain[0].url], model))
         systems["vllm-x2"] = (System("vllm-x2", plain[0].engines() + plain[1].engines()),
                               Target([plain[0].url, plain[1].url], model))

@@ -290,3 +290,18 @@ def test_chat_parsers_are_vllms_registered_ones():
             PDAppConfig.model_validate({**raw, "ingress": {"chat": {field: name}}})
     with pytest.raises(ValidationError, match="needs a tool_call_parser"):
         PDAppConfig.model_validate({**raw, "ingress": {"chat": {"enable_auto_tool_choice": True}}})
+
+
+def test_the_plain_vllm_baseline_gets_the_engines_kwargs_as_flags_vllm_serve_reads():
+    """bench's `vllm` peer is vLLM's own server on the same engine kwargs, config sections included."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from bench.systems import cli_flags
+
+    engine = load_config(CPU).decode
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = AsyncEngineArgs.from_cli_args(parser.parse_args(cli_flags(engine.engine_args)))
+    assert args.max_model_len == 2048 and args.enable_prefix_caching is False
+    structured = args.structured_outputs_config
+    assert (structured.backend, structured.disable_any_whitespace) == ("xgrammar", True)
